@@ -1,0 +1,108 @@
+"""kvferry's configuration: the keys of ``kv_connector_extra_config``, validated.
+
+Every error names the key at fault (:class:`~kvferry.ConfigError`). Validation that needs
+vLLM's numbers (its block size) takes them as arguments, so this module imports no vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import attrs
+
+from ._errors import ConfigError
+
+RuntimeKind = Literal["auto", "stepped", "thread"]
+_RUNTIMES: tuple[str, ...] = ("auto", "stepped", "thread")
+
+
+def available_host_bytes() -> int:
+    """Bytes of host memory the machine can still give (``MemAvailable``)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _positive_int(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
+        raise ConfigError(key, f"must be a whole number, got {value!r}")
+    if value <= 0:
+        raise ConfigError(key, f"must be > 0, got {value!r}")
+    return int(value)
+
+
+def _positive_float(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise ConfigError(key, f"must be a number > 0, got {value!r}")
+    return float(value)
+
+
+@attrs.frozen(kw_only=True)
+class FerryConfig:
+    """What a user sets in ``kv_connector_extra_config`` (or passes to :class:`Ferry`)."""
+
+    cpu_bytes_to_use: int
+    """Bytes of host memory for the host tier, in total across all workers of the engine."""
+    block_size: int | None = None
+    """Tokens per offloaded block; a multiple of the engine's block size (default: equal)."""
+    runtime: RuntimeKind = "auto"
+    """How the sync facade drives its actors: stepped on the engine thread, or a loop thread."""
+    job_timeout_s: float = 60.0
+    """Deadline of one transfer job; a job past it is reported failed."""
+
+    KEYS = ("cpu_bytes_to_use", "block_size", "runtime", "job_timeout_s")
+
+    @classmethod
+    def from_dict(cls, extra: Mapping[str, Any] | None) -> FerryConfig:
+        """Parse and validate ``kv_connector_extra_config``.
+
+        Raises :class:`ConfigError` naming the key for an unknown key, a missing
+        ``cpu_bytes_to_use``, or a value out of range.
+        """
+        extra = dict(extra or {})
+        unknown = sorted(set(extra) - set(cls.KEYS))
+        if unknown:
+            raise ConfigError(
+                unknown[0], f"unknown key (known keys: {', '.join(cls.KEYS)})"
+            )
+        if "cpu_bytes_to_use" not in extra:
+            raise ConfigError("cpu_bytes_to_use", "is required (bytes of host memory to use)")
+        cpu_bytes = _positive_int("cpu_bytes_to_use", extra["cpu_bytes_to_use"])
+        available = available_host_bytes()
+        if cpu_bytes > available:
+            raise ConfigError(
+                "cpu_bytes_to_use",
+                f"{cpu_bytes} bytes asked, but the machine has only {available} bytes available",
+            )
+        block_size = extra.get("block_size")
+        if block_size is not None:
+            block_size = _positive_int("block_size", block_size)
+        runtime = extra.get("runtime", "auto")
+        if runtime not in _RUNTIMES:
+            raise ConfigError("runtime", f"must be one of {_RUNTIMES}, got {runtime!r}")
+        timeout = _positive_float("job_timeout_s", extra.get("job_timeout_s", 60.0))
+        return cls(
+            cpu_bytes_to_use=cpu_bytes,
+            block_size=block_size,
+            runtime=runtime,
+            job_timeout_s=timeout,
+        )
+
+    def blocks_per_chunk(self, engine_block_size: int) -> int:
+        """Engine blocks per offloaded block; checks that ``block_size`` is a multiple."""
+        if self.block_size is None:
+            return 1
+        if self.block_size % engine_block_size:
+            raise ConfigError(
+                "block_size",
+                f"{self.block_size} tokens is not a multiple of vLLM's block size "
+                f"({engine_block_size} tokens)",
+            )
+        return self.block_size // engine_block_size

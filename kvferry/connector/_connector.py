@@ -1,0 +1,178 @@
+"""KVFerryConnector: the vLLM adapter.
+
+vLLM builds it twice: a SCHEDULER instance in the engine-core process and a WORKER
+instance in each worker process (see docs/architecture.md). Every call is synchronous and
+on the engine thread; each half forwards to :class:`SchedulerSide` or :class:`WorkerSide`.
+A bad configuration raises :class:`~kvferry.ConfigError` here, at engine start.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from typing_extensions import override
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+    SupportsHMA,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from .._config import FerryConfig
+from ._metadata import KVFerryMetadata
+from ._scheduler import SchedulerSide, SchedulerStatistics
+from ._worker import WorkerSide
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+
+class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):
+    """Offloads KV blocks to host memory and loads them back on a prefix hit.
+
+    Enable with ``KVTransferConfig(kv_connector="KVFerryConnector",
+    kv_connector_module_path="kvferry.connector", kv_role="kv_both",
+    kv_connector_extra_config={"cpu_bytes_to_use": ...})``.
+    """
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
+        if kv_cache_config is None:
+            raise ValueError("KVFerryConnector needs vLLM's kv_cache_config")
+        cfg = FerryConfig.from_dict(self._kv_transfer_config.kv_connector_extra_config)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(vllm_config, kv_cache_config, cfg)
+        else:
+            self._worker = WorkerSide(vllm_config, kv_cache_config, cfg)
+
+    @property
+    @override
+    def requires_kv_delivery(self) -> bool:
+        return False  # a dropped store is only a future miss
+
+    # ==============================  worker side  ==============================
+
+    @override
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    @override
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert self._worker is not None and isinstance(kv_connector_metadata, KVFerryMetadata)
+        self._worker.handle_preemptions(kv_connector_metadata)
+
+    @override
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVFerryMetadata)
+        self._worker.start_load_kv(meta)
+
+    @override
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads are asynchronous: a request runs only once its load ended
+
+    @override
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return None  # stores are per step, in wait_for_save
+
+    @override
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVFerryMetadata)
+        self._worker.wait_for_save(meta)
+
+    @override
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        assert self._worker is not None
+        return self._worker.get_finished()
+
+    @override
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self._worker is not None
+        return self._worker.get_block_ids_with_load_errors()
+
+    @override
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        assert self._worker is not None
+        return self._worker.build_worker_meta()
+
+    # ==============================  scheduler side  ==============================
+
+    @override
+    def on_new_request(self, request: Request) -> None:
+        assert self._scheduler is not None
+        self._scheduler.on_new_request(request)
+
+    @override
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    @override
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    @override
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    @override
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_connector_output(connector_output)
+
+    @override
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, (block_ids,))
+
+    @override
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids)
+
+    @override
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_work()
+
+    @override
+    def take_events(self) -> Iterable[Any]:
+        return ()
+
+    def statistics(self) -> SchedulerStatistics:
+        """kvferry's scheduler-side counters (scheduler role only)."""
+        assert self._scheduler is not None, "statistics() is kept by the scheduler half"
+        return self._scheduler.statistics()
+
+    @override
+    def shutdown(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+        if self._worker is not None:
+            self._worker.shutdown()

@@ -1,0 +1,459 @@
+"""The scheduler half of the connector: request bookkeeping and job planning.
+
+Who owns what: everything here runs on vLLM's engine thread, in the engine-core process.
+This object owns the per-request state (offload keys, engine block ids, jobs in flight);
+the host tier's directory is owned by the :class:`~kvferry.cache.DirectoryActor`, reached
+through the sync runtime with one call per vLLM call.
+
+A key is the chained block hash vLLM computed at the last token of an offloaded block,
+followed by the KV-cache group index (4 bytes, big-endian): the bytes vLLM's own
+offloading uses, deterministic across processes of one engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from .._config import FerryConfig
+from .._errors import ConfigError
+from .._logging import get_logger
+from ..actors import ActorRef, ActorSystem, start_runtime
+from ..cache import (
+    CompleteLoad,
+    CompleteStore,
+    DirectoryActor,
+    DirectoryMsg,
+    DirectoryStatistics,
+    GetStatistics,
+    Lookup,
+    PrepareLoad,
+    PrepareStore,
+)
+from ..transfer import CopyJob, GroupBlocks
+from ._metadata import JobSpec, KVFerryMetadata, KVFerryWorkerMetadata
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+
+@attrs.frozen(kw_only=True)
+class Geometry:
+    """Sizes both halves derive from the same ``kv_cache_config``."""
+
+    engine_block_size: int
+    blocks_per_chunk: int
+    hashes_per_chunk: int
+    num_groups: int
+    row_bytes: int
+    """Bytes of one engine block of the largest group, on one worker."""
+    num_slots: int
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.engine_block_size * self.blocks_per_chunk
+
+
+def plan_geometry(
+    cfg: FerryConfig, kv_cache_config: KVCacheConfig, engine_block_size: int, world_size: int
+) -> Geometry:
+    """Offloaded block size and host slots, from the config and vLLM's KV-cache config."""
+    groups = kv_cache_config.kv_cache_groups
+    if not groups:
+        raise ConfigError("block_size", "the model has no KV-cache group to offload")
+    block_sizes = {g.kv_cache_spec.block_size for g in groups}
+    if len(block_sizes) != 1:
+        raise ConfigError(
+            "block_size", f"KV-cache groups with different block sizes {sorted(block_sizes)}"
+        )
+    group_block = block_sizes.pop()
+    bpc = cfg.blocks_per_chunk(group_block)
+    hash_block = getattr(kv_cache_config, "hash_block_size", None) or group_block
+    chunk_tokens = group_block * bpc
+    if chunk_tokens % hash_block:
+        raise ConfigError(
+            "block_size", f"{chunk_tokens} tokens is not a multiple of vLLM's hash block size {hash_block}"
+        )
+    row_bytes = max(
+        len(g.layer_names) * g.kv_cache_spec.page_size_bytes for g in groups
+    )
+    slot_bytes = row_bytes * bpc * world_size
+    num_slots = cfg.cpu_bytes_to_use // slot_bytes
+    if num_slots <= 0:
+        raise ConfigError(
+            "cpu_bytes_to_use",
+            f"{cfg.cpu_bytes_to_use} bytes hold no offloaded block ({slot_bytes} bytes each)",
+        )
+    return Geometry(
+        engine_block_size=group_block,
+        blocks_per_chunk=bpc,
+        hashes_per_chunk=chunk_tokens // hash_block,
+        num_groups=len(groups),
+        row_bytes=row_bytes,
+        num_slots=num_slots,
+    )
+
+
+@attrs.frozen(kw_only=True)
+class SchedulerStatistics:
+    """kvferry's scheduler-side counters (tokens, jobs) and its directory's."""
+
+    tokens_looked_up: int
+    tokens_hit: int
+    tokens_loaded: int
+    tokens_stored: int
+    loads_done: int
+    loads_failed: int
+    stores_done: int
+    stores_failed: int
+    jobs_in_flight: int
+    directory: DirectoryStatistics
+
+
+@attrs.define
+class _Req:
+    request: Request
+    block_ids: list[list[int]]
+    stored_upto: int = 0
+    """Chunks below this index were stored (or skipped, or loaded) already."""
+    lookup: tuple[int, int] | None = None
+    """(num_computed_tokens, hit chunks) of the last get_num_new_matched_tokens."""
+    load_job: int | None = None
+    store_jobs: set[int] = attrs.field(factory=set)
+    finished: bool = False
+    tokens_loaded: int = 0
+
+
+@attrs.define
+class _Job:
+    job_id: int
+    req_id: str
+    is_store: bool
+    slots: npt.NDArray[np.int64]
+    tokens: int
+    acks: int = 0
+    failed: bool = False
+
+
+class SchedulerSide:
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg: FerryConfig) -> None:
+        self.cfg = cfg
+        self.world_size = vllm_config.parallel_config.world_size
+        self.geometry = plan_geometry(
+            cfg, kv_cache_config, vllm_config.cache_config.block_size, self.world_size
+        )
+        self._log = get_logger("kvferry.connector", role="scheduler")
+        self._reqs: dict[str, _Req] = {}
+        self._jobs: dict[int, _Job] = {}
+        self._next_job_id = 1
+        self._pending_loads: list[JobSpec] = []
+        self._pending_stores: list[JobSpec] = []
+        self._pending_releases: list[str] = []
+        self._c = dict.fromkeys(
+            (
+                "tokens_looked_up", "tokens_hit", "tokens_loaded", "tokens_stored",
+                "loads_done", "loads_failed", "stores_done", "stores_failed",
+            ),
+            0,
+        )
+
+        num_slots = self.geometry.num_slots
+
+        async def setup(system: ActorSystem) -> ActorRef[DirectoryMsg]:
+            return await system.spawn(DirectoryActor(num_slots), name="directory")
+
+        self.runtime, self.directory = start_runtime(cfg.runtime, setup)
+        self._log.info(
+            "scheduler_started",
+            num_slots=num_slots,
+            block_tokens=self.geometry.chunk_tokens,
+            runtime=type(self.runtime).__name__,
+        )
+
+    # -- keys --------------------------------------------------------------------------
+
+    def _keys(self, request: Request, first: int, end: int) -> list[bytes]:
+        """Keys of chunks [first, end), all groups of a chunk together."""
+        hpc = self.geometry.hashes_per_chunk
+        hashes = request.block_hashes
+        keys = []
+        for c in range(first, end):
+            h = bytes(hashes[(c + 1) * hpc - 1])
+            for g in range(self.geometry.num_groups):
+                keys.append(h + g.to_bytes(4, "big"))
+        return keys
+
+    def _num_keyed_chunks(self, request: Request) -> int:
+        return len(request.block_hashes) // self.geometry.hashes_per_chunk
+
+    def _ask(self, make: Any) -> Any:
+        return self.runtime.call(self.directory.ask, make)
+
+    # -- vLLM calls --------------------------------------------------------------------
+
+    def on_new_request(self, request: Request) -> None:
+        self._reqs[request.request_id] = _Req(request=request, block_ids=[])
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        st = self._reqs.get(request.request_id)
+        if st is None:  # a request vLLM added before the connector saw it
+            st = self._reqs[request.request_id] = _Req(request=request, block_ids=[])
+        n_chunks = self._num_keyed_chunks(request)
+        ct = self.geometry.chunk_tokens
+        if n_chunks * ct <= num_computed_tokens:
+            st.lookup = None
+            return 0, False
+        keys = self._keys(request, 0, n_chunks)
+        n_ready = self._ask(lambda r: Lookup(keys=tuple(keys), reply=r))
+        hit_chunks = n_ready // self.geometry.num_groups
+        self._c["tokens_looked_up"] += n_chunks * ct - num_computed_tokens
+        new_tokens = hit_chunks * ct - num_computed_tokens
+        if new_tokens <= 0:
+            st.lookup = None
+            return 0, False
+        st.lookup = (num_computed_tokens, hit_chunks)
+        self._c["tokens_hit"] += new_tokens
+        return new_tokens, True
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        st = self._reqs.get(request.request_id)
+        if num_external_tokens == 0 or st is None:
+            return
+        assert st.lookup is not None, "update_state_after_alloc without a matching lookup"
+        assert st.load_job is None, "a second load for a request with one in flight"
+        num_local, hit_chunks = st.lookup
+        st.lookup = None
+        geo = self.geometry
+        bs, bpc, ct = geo.engine_block_size, geo.blocks_per_chunk, geo.chunk_tokens
+        end_tok = num_local + num_external_tokens
+        assert end_tok == hit_chunks * ct, (num_local, num_external_tokens, hit_chunks)
+        first_chunk = num_local // ct
+        keys = self._keys(request, first_chunk, hit_chunks)
+        slots = self._ask(lambda r: PrepareLoad(keys=tuple(keys), reply=r))
+        block_ids = blocks.get_block_ids()
+        first_blk, end_blk = num_local // bs, end_tok // bs
+        job_id = self._new_job_id()
+        if slots is None:
+            # Cannot happen while this thread is the directory's only client; if it does,
+            # the load fails cleanly and vLLM recomputes.
+            self._log.error("load_keys_vanished", req_id=request.request_id)
+            slots = np.full(len(keys), -1, dtype=np.int64)
+        G = geo.num_groups
+        parts = []
+        for g in range(G):
+            dev = np.asarray(block_ids[g][first_blk:end_blk], dtype=np.int64)
+            blk = np.arange(first_blk, end_blk)
+            chunk_slots = slots[g::G][blk // bpc - first_chunk]
+            rows = chunk_slots * bpc + blk % bpc
+            parts.append(GroupBlocks(group=g, device_blocks=dev, host_rows=rows))
+        self._jobs[job_id] = _Job(
+            job_id=job_id, req_id=request.request_id, is_store=False,
+            slots=slots, tokens=num_external_tokens,
+        )
+        st.load_job = job_id
+        st.stored_upto = max(st.stored_upto, hit_chunks)
+        self._pending_loads.append(
+            JobSpec(req_id=request.request_id, copy=CopyJob(job_id=job_id, direction="load", parts=tuple(parts)))
+        )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVFerryMetadata:
+        from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
+
+        for req_id, new_block_ids, resumed in yield_req_data(scheduler_output):
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            if resumed or not st.block_ids:
+                st.block_ids = [list(g) for g in new_block_ids] if new_block_ids else []
+                if resumed:
+                    st.stored_upto = 0  # stored chunks are skipped as present
+            elif new_block_ids is not None:
+                for g, ids in enumerate(new_block_ids):
+                    st.block_ids[g].extend(ids)
+
+        flush: list[int] = []
+        for req_id in scheduler_output.preempted_req_ids or ():
+            st = self._reqs.get(req_id)
+            if st is not None:
+                flush.extend(sorted(st.store_jobs))
+
+        plans = []
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            computed_after = st.request.num_computed_tokens + n
+            plan = self._plan_store(st, computed_after, st.block_ids)
+            if plan is not None:
+                plans.append(plan)
+        self._prepare_stores(plans)
+
+        meta = KVFerryMetadata(
+            loads=self._pending_loads,
+            stores=self._pending_stores,
+            flush_job_ids=flush,
+            release_req_ids=self._pending_releases,
+        )
+        self._pending_loads, self._pending_stores, self._pending_releases = [], [], []
+        return meta
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        meta = output.kv_connector_worker_meta
+        if isinstance(meta, KVFerryWorkerMetadata):
+            self._ack(meta)
+        for req_id in output.finished_sending or ():
+            st = self._reqs.get(req_id)
+            if st is not None and st.finished and not st.store_jobs:
+                del self._reqs[req_id]
+        for req_id in output.finished_recving or ():
+            st = self._reqs.get(req_id)
+            if st is not None and st.finished and st.load_job is None:
+                del self._reqs[req_id]
+
+    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            return False, None
+        st.finished = True
+        params = {"kvferry": {"tokens_loaded": st.tokens_loaded}}
+        if st.load_job is not None:
+            # Aborted while its load runs: vLLM frees the blocks at finished_recving.
+            return True, params
+        # The last full blocks, computed in the final step.
+        plan = self._plan_store(st, request.num_computed_tokens, [list(g) for g in block_ids])
+        if plan is not None:
+            self._prepare_stores([plan])
+        if st.store_jobs:
+            self._pending_releases.append(request.request_id)
+            return True, params
+        del self._reqs[request.request_id]
+        return False, params
+
+    def has_pending_work(self) -> bool:
+        return bool(self._jobs or self._pending_loads or self._pending_stores or self._pending_releases)
+
+    def statistics(self) -> SchedulerStatistics:
+        directory = self._ask(lambda r: GetStatistics(reply=r))
+        return SchedulerStatistics(jobs_in_flight=len(self._jobs), directory=directory, **self._c)
+
+    def shutdown(self) -> None:
+        self.runtime.close()
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _new_job_id(self) -> int:
+        job_id = self._next_job_id
+        self._next_job_id += 1
+        return job_id
+
+    def _plan_store(
+        self, st: _Req, computed_tokens: int, block_ids: list[list[int]]
+    ) -> tuple[_Req, int, int, list[list[int]]] | None:
+        geo = self.geometry
+        upto = min(
+            computed_tokens // geo.chunk_tokens,
+            self._num_keyed_chunks(st.request),
+            min((len(b) for b in block_ids), default=0) // geo.blocks_per_chunk,
+        )
+        if upto <= st.stored_upto:
+            return None
+        first, st.stored_upto = st.stored_upto, upto
+        return st, first, upto, block_ids
+
+    def _prepare_stores(self, plans: Iterable[tuple[_Req, int, int, list[list[int]]]]) -> None:
+        """One PrepareStore for all planned chunks; a job per request for the admitted ones."""
+        plans = list(plans)
+        all_keys: list[bytes] = []
+        for st, first, upto, _ in plans:
+            all_keys.extend(self._keys(st.request, first, upto))
+        if not all_keys:
+            return
+        slots_all = self._ask(lambda r: PrepareStore(keys=tuple(all_keys), reply=r))
+        geo = self.geometry
+        G, bpc = geo.num_groups, geo.blocks_per_chunk
+        pos = 0
+        for st, first, upto, block_ids in plans:
+            n = (upto - first) * G
+            slots = slots_all[pos : pos + n].reshape(upto - first, G)
+            pos += n
+            parts = []
+            taken = []
+            for g in range(G):
+                dev_rows: list[int] = []
+                host_rows: list[int] = []
+                for i, c in enumerate(range(first, upto)):
+                    slot = int(slots[i, g])
+                    if slot < 0:
+                        continue
+                    dev = block_ids[g][c * bpc : (c + 1) * bpc]
+                    if 0 in dev:  # a null block (outside a sliding window): nothing to store
+                        taken.append((slot, False))
+                        continue
+                    dev_rows.extend(dev)
+                    host_rows.extend(range(slot * bpc, (slot + 1) * bpc))
+                    taken.append((slot, True))
+                if dev_rows:
+                    parts.append(GroupBlocks(group=g, device_blocks=dev_rows, host_rows=host_rows))
+            dead = [s for s, ok in taken if not ok]
+            if dead:
+                self.directory_tell(CompleteStore(slots=dead, ok=False))
+            live = np.asarray([s for s, ok in taken if ok], dtype=np.int64)
+            if not parts:
+                continue
+            job_id = self._new_job_id()
+            self._jobs[job_id] = _Job(
+                job_id=job_id, req_id=st.request.request_id, is_store=True, slots=live,
+                tokens=len(live) * geo.chunk_tokens // G if G else 0,
+            )
+            st.store_jobs.add(job_id)
+            self._pending_stores.append(
+                JobSpec(
+                    req_id=st.request.request_id,
+                    copy=CopyJob(job_id=job_id, direction="store", parts=tuple(parts)),
+                )
+            )
+
+    def directory_tell(self, msg: DirectoryMsg) -> None:
+        self.runtime.call(self.directory.tell, msg)
+
+    def _ack(self, meta: KVFerryWorkerMetadata) -> None:
+        for job_id, (done, failed) in meta.acks.items():
+            job = self._jobs.get(job_id)
+            if job is None:
+                self._log.warning("ack_for_unknown_job", job_id=job_id)
+                continue
+            job.acks += done
+            job.failed |= failed > 0
+            if job.acks < self.world_size:
+                continue
+            del self._jobs[job_id]
+            st = self._reqs.get(job.req_id)
+            if job.is_store:
+                self.directory_tell(CompleteStore(slots=job.slots, ok=not job.failed))
+                self._c["stores_failed" if job.failed else "stores_done"] += 1
+                if not job.failed:
+                    self._c["tokens_stored"] += job.tokens
+                if st is not None:
+                    st.store_jobs.discard(job_id)
+            else:
+                valid = job.slots[job.slots >= 0]
+                if len(valid):
+                    self.directory_tell(CompleteLoad(slots=valid))
+                self._c["loads_failed" if job.failed else "loads_done"] += 1
+                if not job.failed:
+                    self._c["tokens_loaded"] += job.tokens
+                if st is not None:
+                    st.load_job = None
+                    if not job.failed:
+                        st.tokens_loaded += job.tokens

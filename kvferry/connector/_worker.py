@@ -1,0 +1,195 @@
+"""The worker half of the connector: runs this step's jobs and reports what ended.
+
+Who owns what: vLLM calls these methods on the worker process's engine thread. The
+:class:`~kvferry.transfer.StoreActor` and :class:`~kvferry.transfer.LoadActor` own the
+copy engine's completions; this object owns the bookkeeping of which request waits on
+which job. One runtime call per vLLM call.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import attrs
+
+from .._config import FerryConfig
+from .._errors import TransferError
+from .._logging import get_logger
+from ..actors import ActorRef, ActorSystem, start_runtime
+from ..transfer import (
+    FlushJobs,
+    HostPool,
+    JobResult,
+    LoadActor,
+    PollFinished,
+    StoreActor,
+    SubmitJob,
+    TransferMsg,
+    describe_kv_caches,
+    new_copy_engine,
+)
+from ._metadata import KVFerryMetadata, KVFerryWorkerMetadata
+from ._scheduler import Geometry, plan_geometry
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+
+@attrs.frozen
+class _Refs:
+    store: ActorRef[TransferMsg]
+    load: ActorRef[TransferMsg]
+
+
+class WorkerSide:
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg: FerryConfig) -> None:
+        self.cfg = cfg
+        self.kv_cache_config = kv_cache_config
+        self.geometry: Geometry = plan_geometry(
+            cfg,
+            kv_cache_config,
+            vllm_config.cache_config.block_size,
+            vllm_config.parallel_config.world_size,
+        )
+        self._log = get_logger("kvferry.connector", role="worker")
+        self.pool: HostPool | None = None
+        self._refs: _Refs | None = None
+        self.runtime = None
+        self._load_req: dict[int, tuple[str, list[int]]] = {}
+        self._store_req: dict[int, str] = {}
+        self._stores_of: dict[str, set[int]] = {}
+        self._releasing: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._acks: dict[int, list[int]] = {}
+        self._stats: dict[str, float] = {}
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        kcc = self.kv_cache_config
+        tensors = getattr(kcc, "kv_cache_tensors", None) or []
+        block_stride = getattr(tensors[0], "block_stride", None) if tensors else None
+        layout = describe_kv_caches(
+            kv_caches,
+            [g.layer_names for g in kcc.kv_cache_groups],
+            kcc.num_blocks,
+            block_stride,
+        )
+        geo = self.geometry
+        if layout.row_bytes > geo.row_bytes:
+            raise TransferError(
+                f"the KV tensors hold {layout.row_bytes} bytes per block, more than the "
+                f"{geo.row_bytes} vLLM's KV-cache config announces"
+            )
+        self.pool = HostPool(
+            geo.num_slots, geo.blocks_per_chunk, layout.row_bytes, pin=layout.device.type == "cuda"
+        )
+        engine = new_copy_engine(layout, self.pool)
+
+        async def setup(system: ActorSystem) -> _Refs:
+            load = await system.spawn(LoadActor(engine), name="load")
+            store = await system.spawn(StoreActor(engine), name="store")
+            return _Refs(store=store, load=load)
+
+        self.runtime, self._refs = start_runtime(self.cfg.runtime, setup)
+        self._engine = engine
+        self._log.info(
+            "worker_started",
+            host_pool_bytes=self.pool.nbytes,
+            layout_segments=sum(len(g.segments) for g in layout.groups),
+            runtime=type(self.runtime).__name__,
+        )
+
+    def handle_preemptions(self, meta: KVFerryMetadata) -> None:
+        """Stores still reading blocks the engine will reuse end before this step's forward."""
+        if not meta.flush_job_ids or self._refs is None:
+            return
+        pending = tuple(j for j in meta.flush_job_ids if j in self._store_req)
+        if not pending:
+            return
+        refs = self._refs
+        try:
+            self.runtime.call(  # type: ignore[union-attr]
+                refs.store.ask,
+                lambda r: FlushJobs(job_ids=pending, timeout_s=self.cfg.job_timeout_s, reply=r),
+            )
+        except TimeoutError as exc:
+            raise TransferError(
+                f"stores {pending} did not end within job_timeout_s={self.cfg.job_timeout_s}"
+            ) from exc
+
+    def start_load_kv(self, meta: KVFerryMetadata) -> None:
+        if not meta.loads or self._refs is None:
+            return
+        for spec in meta.loads:
+            blocks = [int(b) for p in spec.copy.parts for b in p.device_blocks]
+            self._load_req[spec.copy.job_id] = (spec.req_id, blocks)
+        self.runtime.call(self._submit, self._refs.load, [s.copy for s in meta.loads])  # type: ignore[union-attr]
+
+    def wait_for_save(self, meta: KVFerryMetadata) -> None:
+        if self._refs is None:
+            return
+        for spec in meta.stores:
+            self._store_req[spec.copy.job_id] = spec.req_id
+            self._stores_of.setdefault(spec.req_id, set()).add(spec.copy.job_id)
+        self._releasing.update(meta.release_req_ids)
+        if meta.stores:
+            self.runtime.call(self._submit, self._refs.store, [s.copy for s in meta.stores])  # type: ignore[union-attr]
+
+    @staticmethod
+    async def _submit(ref: ActorRef[TransferMsg], jobs: list) -> None:  # type: ignore[type-arg]
+        for job in jobs:
+            await ref.tell(SubmitJob(job=job))
+
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        if self._refs is None:
+            return None, None
+        results: list[JobResult] = self.runtime.call(self._poll, self._refs)  # type: ignore[union-attr]
+        finished_recving: set[str] = set()
+        for res in results:
+            ack = self._acks.setdefault(res.job_id, [0, 0])
+            ack[0] += 1
+            ack[1] += 0 if res.ok else 1
+            key = res.direction
+            self._stats[f"{key}_bytes"] = self._stats.get(f"{key}_bytes", 0.0) + res.nbytes
+            self._stats[f"{key}_seconds"] = self._stats.get(f"{key}_seconds", 0.0) + res.seconds
+            if res.direction == "load":
+                req_id, blocks = self._load_req.pop(res.job_id)
+                finished_recving.add(req_id)
+                if not res.ok:
+                    self._load_errors.update(blocks)
+            else:
+                req_id = self._store_req.pop(res.job_id)
+                jobs = self._stores_of.get(req_id)
+                if jobs is not None:
+                    jobs.discard(res.job_id)
+                    if not jobs:
+                        del self._stores_of[req_id]
+        finished_sending = {r for r in self._releasing if r not in self._stores_of}
+        self._releasing -= finished_sending
+        return finished_sending or None, finished_recving or None
+
+    @staticmethod
+    async def _poll(refs: _Refs) -> list[JobResult]:
+        loads = await refs.load.ask(lambda r: PollFinished(reply=r))
+        stores = await refs.store.ask(lambda r: PollFinished(reply=r))
+        return loads + stores
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def build_worker_meta(self) -> KVFerryWorkerMetadata | None:
+        if not self._acks and not self._stats:
+            return None
+        meta = KVFerryWorkerMetadata(acks=self._acks, stats=self._stats)
+        self._acks, self._stats = {}, {}
+        return meta
+
+    def shutdown(self) -> None:
+        if self.runtime is not None:
+            self.runtime.close()
+            self.runtime = None
+        engine = getattr(self, "_engine", None)
+        if engine is not None:
+            engine.close()

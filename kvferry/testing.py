@@ -1,0 +1,195 @@
+"""kvferry's public test kit (like ``trio.testing``): fakes for what cannot exist on the
+machine at hand, and helpers to run real engines deterministically.
+
+- :class:`FakeCudaEvent` / :class:`FakeStream`: stand-ins for ``torch.cuda.Event`` and
+  ``torch.cuda.Stream`` that a test completes (or fails) by hand, in any order.
+- :class:`FakeCopyEngine`: records submitted jobs and hands out fake events.
+- :func:`make_tiny_model`: writes a tiny random-weight model (config + safetensors) to a
+  folder, with weights large enough that outputs depend on every KV value — so a test
+  comparing outputs with and without kvferry can fail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from .transfer import CopyJob
+
+TINY_LLAMA_CONFIG = Path(__file__).resolve().parent / "_assets" / "tiny-llama.json"
+"""The tiny Llama (2 layers, hidden 256) that the demo, tests and benchmarks run."""
+
+
+@attrs.define(eq=False)
+class FakeCudaEvent:
+    """A completion the test fires by hand: ``query()`` is False until :meth:`fire`."""
+
+    _fired: bool = False
+    _error: BaseException | None = None
+    recorded_on: Any = None
+
+    def record(self, stream: Any = None) -> None:
+        self.recorded_on = stream
+
+    def query(self) -> bool:
+        return self._fired
+
+    def synchronize(self) -> None:
+        if not self._fired:
+            raise RuntimeError("FakeCudaEvent.synchronize() before fire(): the test would hang")
+
+    def exception(self) -> BaseException | None:
+        return self._error if self._fired else None
+
+    def fire(self, error: BaseException | None = None) -> None:
+        self._fired = True
+        self._error = error
+
+
+@attrs.define(eq=False)
+class FakeStream:
+    """A stand-in for ``torch.cuda.Stream`` that records what it was ordered after."""
+
+    waited_on: list[Any] = attrs.field(factory=list)
+
+    def wait_stream(self, other: Any) -> None:
+        self.waited_on.append(other)
+
+    def synchronize(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def fake_use_stream(stream: Any) -> Iterator[None]:
+    """A stand-in for ``torch.cuda.stream(s)``."""
+    yield
+
+
+@attrs.define(eq=False)
+class FakeCopyEngine:
+    """A copy engine that copies nothing: each job gets a :class:`FakeCudaEvent`."""
+
+    submitted: list[CopyJob] = attrs.field(factory=list)
+    events: dict[int, FakeCudaEvent] = attrs.field(factory=dict)
+    fail_submit: bool = False
+
+    def submit(self, job: CopyJob) -> FakeCudaEvent:
+        if self.fail_submit:
+            raise RuntimeError(f"injected submit failure for job {job.job_id}")
+        self.submitted.append(job)
+        event = self.events[job.job_id] = FakeCudaEvent()
+        return event
+
+    def job_bytes(self, job: CopyJob) -> int:
+        return job.num_blocks
+
+    def event_for(self, job_id: int) -> FakeCudaEvent:
+        return self.events[job_id]
+
+    def close(self) -> None:
+        pass
+
+
+def make_tiny_model(folder: str | Path, *, seed: int = 0, config: Path = TINY_LLAMA_CONFIG) -> Path:
+    """Write ``config.json`` and seeded random ``model.safetensors`` into ``folder``.
+
+    vLLM's ``load_format="dummy"`` draws weights from U(-1e-3, 1e-3), which makes a tiny
+    model answer the same tokens whatever its KV holds; these weights (N(0, 0.5) for
+    projections) make every output depend on the KV. Returns the folder.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(config, folder / "config.json")
+    cfg = json.loads(config.read_text())
+    h, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg.get("head_dim", h // heads)
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape: int, std: float = 0.5) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * std / shape[-1] ** 0.5 * 4).to(torch.bfloat16)
+
+    tensors = {
+        "model.embed_tokens.weight": (torch.randn(vocab, h, generator=g)).to(torch.bfloat16),
+        "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
+        "lm_head.weight": w(vocab, h),
+    }
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        tensors |= {
+            p + "self_attn.q_proj.weight": w(heads * hd, h),
+            p + "self_attn.k_proj.weight": w(kv_heads * hd, h),
+            p + "self_attn.v_proj.weight": w(kv_heads * hd, h),
+            p + "self_attn.o_proj.weight": w(h, heads * hd),
+            p + "mlp.gate_proj.weight": w(inter, h),
+            p + "mlp.up_proj.weight": w(inter, h),
+            p + "mlp.down_proj.weight": w(h, inter),
+            p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+            p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+        }
+    save_file(tensors, str(folder / "model.safetensors"))
+    return folder
+
+
+def long_doc_prompts(
+    num_docs: int, doc_tokens: int, *, seed: int = 0, vocab: int = 2000, question_tokens: int = 8
+) -> list[list[int]]:
+    """Seeded documents as token ids, each followed by its own short question."""
+    import random
+
+    rng = random.Random(seed)
+    return [
+        [rng.randrange(3, vocab) for _ in range(doc_tokens + question_tokens)]
+        for _ in range(num_docs)
+    ]
+
+
+def reask_order(num_docs: int, *, seed: int = 1) -> list[int]:
+    """Another order of the documents for the second pass (never the first one)."""
+    import random
+
+    order = list(range(num_docs))
+    rng = random.Random(seed)
+    while order == sorted(order) and num_docs > 1:
+        rng.shuffle(order)
+    return order
+
+
+def engine_args(
+    model: str | Path,
+    *,
+    kvferry: dict[str, Any] | None = None,
+    num_gpu_blocks: int = 24,
+    max_model_len: int = 2048,
+    **overrides: Any,
+) -> dict[str, Any]:
+    """Keyword arguments for ``vllm.LLM`` on the CPU, with kvferry when ``kvferry`` is given."""
+    args: dict[str, Any] = {
+        "model": str(model),
+        "skip_tokenizer_init": True,
+        "seed": 0,
+        "gpu_memory_utilization": 0.3,
+        "num_gpu_blocks_override": num_gpu_blocks,
+        "max_model_len": max_model_len,
+        "enable_prefix_caching": True,
+    }
+    if kvferry is not None:
+        from vllm.config import KVTransferConfig
+
+        args["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KVFerryConnector",
+            kv_connector_module_path="kvferry.connector",
+            kv_role="kv_both",
+            kv_connector_extra_config=kvferry,
+        )
+    args.update(overrides)
+    return args

