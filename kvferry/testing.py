@@ -193,3 +193,46 @@ def engine_args(
         )
     args.update(overrides)
     return args
+
+
+@attrs.frozen(kw_only=True)
+class PassResult:
+    """One pass of the long-document workload, per document (by index)."""
+
+    seconds: float
+    tokens: dict[int, list[int]]
+    cached: dict[int, int]
+    """Prompt tokens vLLM did not compute (its own prefix cache + external hits)."""
+    loaded: dict[int, int]
+    """Prompt tokens kvferry loaded (from its per-request ``kv_transfer_params``)."""
+
+
+def run_long_doc_passes(
+    llm: Any, docs: list[list[int]], orders: list[list[int]], *, max_tokens: int = 8
+) -> list[PassResult]:
+    """Ask every document once per order, greedily; one ``generate`` call per pass."""
+    import time
+
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    results = []
+    for order in orders:
+        t0 = time.perf_counter()
+        outs = llm.generate(
+            [TokensPrompt(prompt_token_ids=docs[i]) for i in order], params, use_tqdm=False
+        )
+        seconds = time.perf_counter() - t0
+        results.append(
+            PassResult(
+                seconds=seconds,
+                tokens={i: list(o.outputs[0].token_ids) for i, o in zip(order, outs, strict=True)},
+                cached={i: o.num_cached_tokens or 0 for i, o in zip(order, outs, strict=True)},
+                loaded={
+                    i: ((o.kv_transfer_params or {}).get("kvferry") or {}).get("tokens_loaded", 0)
+                    for i, o in zip(order, outs, strict=True)
+                },
+            )
+        )
+    return results

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from kvferry.testing import engine_args, long_doc_prompts, reask_order
+from kvferry.testing import engine_args, long_doc_prompts, reask_order, run_long_doc_passes
 
 pytestmark = pytest.mark.e2e
 
@@ -26,25 +26,18 @@ MAX_TOKENS = 8
 
 
 def run_two_passes(model: Path, kvferry: dict[str, Any] | None) -> dict[str, Any]:
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm import LLM
 
     llm = LLM(**engine_args(model, kvferry=kvferry, disable_log_stats=False))
     docs = long_doc_prompts(NUM_DOCS, DOC_TOKENS)
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    passes = []
-    for order in (list(range(NUM_DOCS)), reask_order(NUM_DOCS)):
-        outs = llm.generate([TokensPrompt(prompt_token_ids=docs[i]) for i in order], params)
-        passes.append(
-            {
-                i: {
-                    "tokens": list(o.outputs[0].token_ids),
-                    "cached": o.num_cached_tokens,
-                    "kvferry": (o.kv_transfer_params or {}).get("kvferry"),
-                }
-                for i, o in zip(order, outs, strict=True)
-            }
-        )
+    results = run_long_doc_passes(llm, docs, [list(range(NUM_DOCS)), reask_order(NUM_DOCS)], max_tokens=MAX_TOKENS)
+    passes = [
+        {
+            d: {"tokens": r.tokens[d], "cached": r.cached[d], "loaded": r.loaded[d]}
+            for d in range(NUM_DOCS)
+        }
+        for r in results
+    ]
     metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
     llm.llm_engine.engine_core.shutdown()
     del llm
@@ -81,7 +74,7 @@ def test_second_pass_loads_from_host_memory(baseline: dict[str, Any], with_kvfer
     second = with_kvferry["passes"][1]
     full_blocks = (DOC_TOKENS + 8) // 128 * 128
     stored = (DOC_TOKENS + 8) // with_kvferry["block_size"] * with_kvferry["block_size"]
-    loaded = {d: second[d]["kvferry"]["tokens_loaded"] for d in range(NUM_DOCS)}
+    loaded = {d: second[d]["loaded"] for d in range(NUM_DOCS)}
     for d in range(NUM_DOCS):
         # Every offloaded block of every re-asked document was computed before: it is
         # either still in the engine's cache or loaded from kvferry, never recomputed...
@@ -92,7 +85,7 @@ def test_second_pass_loads_from_host_memory(baseline: dict[str, Any], with_kvfer
     assert sum(baseline["passes"][1][d]["cached"] for d in range(NUM_DOCS)) <= 2 * full_blocks
     assert sum(loaded.values()) >= (NUM_DOCS - 2) * stored
     # The first pass loaded nothing: nothing was stored before it.
-    assert all(with_kvferry["passes"][0][d]["kvferry"]["tokens_loaded"] == 0 for d in range(NUM_DOCS))
+    assert all(with_kvferry["passes"][0][d]["loaded"] == 0 for d in range(NUM_DOCS))
 
 
 def test_scheduler_counted_external_hits(baseline: dict[str, Any], with_kvferry: dict[str, Any]) -> None:
