@@ -6,6 +6,7 @@ vLLM's numbers (its block size) takes them as arguments, so this module imports 
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -28,6 +29,21 @@ def available_host_bytes() -> int:
     except OSError:
         pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def load_object(key: str, path: Any) -> Any:
+    """Import ``"package.module:name"``; a :class:`ConfigError` naming ``key`` if it fails."""
+    if not isinstance(path, str) or path.count(":") != 1:
+        raise ConfigError(key, f"must be an import path 'package.module:name', got {path!r}")
+    module_name, _, attr = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(key, f"cannot import module {module_name!r}: {exc}") from exc
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise ConfigError(key, f"module {module_name!r} has no {attr!r}") from None
 
 
 def _positive_int(key: str, value: Any) -> int:
@@ -55,9 +71,23 @@ class FerryConfig:
     runtime: RuntimeKind = "auto"
     """How the sync facade drives its actors: stepped on the engine thread, or a loop thread."""
     job_timeout_s: float = 60.0
-    """Deadline of one transfer job; a job past it is reported failed."""
+    """Deadline for waiting on a transfer job (flushes before blocks are reused)."""
+    on_load_failure: Literal["recompute", "fail"] = "recompute"
+    """What vLLM does with a request whose load failed: recompute its blocks, or fail it."""
+    copy_engine: str | None = None
+    """Import path ``"package.module:factory"`` of a copy engine factory(layout, pool)."""
+    traces: Mapping[str, Any] | None = None
+    """OpenTelemetry traces (see docs/tracing.md); off unless set or asked by ``OTEL_*``."""
 
-    KEYS = ("cpu_bytes_to_use", "block_size", "runtime", "job_timeout_s")
+    KEYS = (
+        "cpu_bytes_to_use",
+        "block_size",
+        "runtime",
+        "job_timeout_s",
+        "on_load_failure",
+        "copy_engine",
+        "traces",
+    )
 
     @classmethod
     def from_dict(cls, extra: Mapping[str, Any] | None) -> FerryConfig:
@@ -88,11 +118,29 @@ class FerryConfig:
         if runtime not in _RUNTIMES:
             raise ConfigError("runtime", f"must be one of {_RUNTIMES}, got {runtime!r}")
         timeout = _positive_float("job_timeout_s", extra.get("job_timeout_s", 60.0))
+        on_load_failure = extra.get("on_load_failure", "recompute")
+        if on_load_failure not in ("recompute", "fail"):
+            raise ConfigError(
+                "on_load_failure", f"must be 'recompute' or 'fail', got {on_load_failure!r}"
+            )
+        copy_engine = extra.get("copy_engine")
+        if copy_engine is not None:
+            load_object("copy_engine", copy_engine)
+        traces = extra.get("traces")
+        if traces is not None:
+            from .traces import resolve_config
+
+            if not isinstance(traces, Mapping):
+                raise ConfigError("traces", f"must be a dict of trace settings, got {traces!r}")
+            resolve_config(traces)  # raises a ConfigError naming the bad traces.<key>
         return cls(
             cpu_bytes_to_use=cpu_bytes,
+            traces=traces,
             block_size=block_size,
             runtime=runtime,
             job_timeout_s=timeout,
+            on_load_failure=on_load_failure,
+            copy_engine=copy_engine,
         )
 
     def blocks_per_chunk(self, engine_block_size: int) -> int:

@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import attrs
 
+from .traces._testing import OTLPReceiver as OTLPReceiver
+from .traces._testing import ReceivedSpan as ReceivedSpan
+from .traces._testing import decode_request as decode_request
 from .transfer import CopyJob
 
 TINY_LLAMA_CONFIG = Path(__file__).resolve().parent / "_assets" / "tiny-llama.json"
@@ -96,8 +98,13 @@ class FakeCopyEngine:
         pass
 
 
-def make_tiny_model(folder: str | Path, *, seed: int = 0, config: Path = TINY_LLAMA_CONFIG) -> Path:
+def make_tiny_model(
+    folder: str | Path, *, seed: int = 0, config: Path = TINY_LLAMA_CONFIG, **overrides: Any
+) -> Path:
     """Write ``config.json`` and seeded random ``model.safetensors`` into ``folder``.
+
+    ``overrides`` replace keys of the config (e.g. ``hidden_size=512`` for a model whose
+    compute outweighs its per-step overhead, as the benchmarks need).
 
     vLLM's ``load_format="dummy"`` draws weights from U(-1e-3, 1e-3), which makes a tiny
     model answer the same tokens whatever its KV holds; these weights (N(0, 0.5) for
@@ -108,8 +115,8 @@ def make_tiny_model(folder: str | Path, *, seed: int = 0, config: Path = TINY_LL
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(config, folder / "config.json")
-    cfg = json.loads(config.read_text())
+    cfg = {**json.loads(config.read_text()), **overrides}
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
     h, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     hd = cfg.get("head_dim", h // heads)

@@ -19,11 +19,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from .._config import FerryConfig
 from ._metadata import KVFerryMetadata
 from ._scheduler import SchedulerSide, SchedulerStatistics
+from ._stats import KVFerryPromMetrics, KVFerryStats
 from ._worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -60,6 +67,9 @@ class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
+            # A failed load is a cache miss: by default vLLM recomputes its blocks. The
+            # scheduler reads this right after building its connector.
+            self._kv_transfer_config.kv_load_failure_policy = cfg.on_load_failure
             self._scheduler = SchedulerSide(vllm_config, kv_cache_config, cfg)
         else:
             self._worker = WorkerSide(vllm_config, kv_cache_config, cfg)
@@ -164,6 +174,34 @@ class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):
     @override
     def take_events(self) -> Iterable[Any]:
         return ()
+
+    @override
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._scheduler is None:
+            return None  # the workers' transfer counters travel in their worker metadata
+        data = self._scheduler.kv_connector_stats()
+        return None if data is None else KVFerryStats(data)
+
+    @classmethod
+    @override
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KVFerryStats(data)
+
+    @classmethod
+    @override
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return KVFerryPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    @override
+    def reset_cache(self) -> bool | None:
+        assert self._scheduler is not None
+        return self._scheduler.reset()
 
     def statistics(self) -> SchedulerStatistics:
         """kvferry's scheduler-side counters (scheduler role only)."""

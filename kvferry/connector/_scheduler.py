@@ -15,15 +15,19 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+import time
+
 import attrs
 import numpy as np
 import numpy.typing as npt
 
 from .._config import FerryConfig
 from .._errors import ConfigError
+from .. import traces
 from .._logging import get_logger
 from ..actors import ActorRef, ActorSystem, start_runtime
 from ..cache import (
+    ClearAll,
     CompleteLoad,
     CompleteStore,
     DirectoryActor,
@@ -109,20 +113,48 @@ class SchedulerStatistics:
 
     tokens_looked_up: int
     tokens_hit: int
+    tokens_missed: int
     tokens_loaded: int
     tokens_stored: int
     loads_done: int
     loads_failed: int
     stores_done: int
     stores_failed: int
+    load_bytes: int
+    store_bytes: int
+    load_seconds: float
+    store_seconds: float
     jobs_in_flight: int
     directory: DirectoryStatistics
+
+
+def parse_request_params(params: Any) -> tuple[bool, bool, str | None]:
+    """``kv_transfer_params={"kvferry": {"load": bool, "store": bool}}`` -> (load, store, error).
+
+    A bad value is not fatal to the engine: it is logged, the defaults are kept, and the
+    error is returned to the client in the request's ``kv_transfer_params``.
+    """
+    opts = (params or {}).get("kvferry") if isinstance(params, dict) else None
+    if opts is None:
+        return True, True, None
+    if not isinstance(opts, dict):
+        return True, True, f"kv_transfer_params['kvferry'] must be a dict, got {opts!r}"
+    unknown = sorted(set(opts) - {"load", "store"})
+    if unknown:
+        return True, True, f"kv_transfer_params['kvferry'][{unknown[0]!r}]: unknown key (known: load, store)"
+    for key in ("load", "store"):
+        if key in opts and not isinstance(opts[key], bool):
+            return True, True, f"kv_transfer_params['kvferry'][{key!r}] must be true or false, got {opts[key]!r}"
+    return opts.get("load", True), opts.get("store", True), None
 
 
 @attrs.define
 class _Req:
     request: Request
     block_ids: list[list[int]]
+    load: bool = True
+    store: bool = True
+    error: str | None = None
     stored_upto: int = 0
     """Chunks below this index were stored (or skipped, or loaded) already."""
     lookup: tuple[int, int] | None = None
@@ -160,18 +192,26 @@ class SchedulerSide:
         self._pending_releases: list[str] = []
         self._c = dict.fromkeys(
             (
-                "tokens_looked_up", "tokens_hit", "tokens_loaded", "tokens_stored",
-                "loads_done", "loads_failed", "stores_done", "stores_failed",
+                "tokens_looked_up", "tokens_hit", "tokens_missed", "tokens_loaded",
+                "tokens_stored", "loads_done", "loads_failed", "stores_done", "stores_failed",
+                "load_bytes", "store_bytes", "load_seconds", "store_seconds",
             ),
             0,
         )
 
+        self._dir_stats: DirectoryStatistics | None = None
+        self._dir_dirty = True
+        self._reported: dict[str, float] = {}
+        self._reported_gauges: dict[str, float] = {}
+        self._stale_jobs: set[int] = set()
         num_slots = self.geometry.num_slots
 
         async def setup(system: ActorSystem) -> ActorRef[DirectoryMsg]:
             return await system.spawn(DirectoryActor(num_slots), name="directory")
 
         self.runtime, self.directory = start_runtime(cfg.runtime, setup)
+        self._provider = traces.setup(cfg.traces, role="scheduler")
+        self.trace = traces.SchedulerTracer(self._provider)
         self._log.info(
             "scheduler_started",
             num_slots=num_slots,
@@ -201,22 +241,40 @@ class SchedulerSide:
     # -- vLLM calls --------------------------------------------------------------------
 
     def on_new_request(self, request: Request) -> None:
-        self._reqs[request.request_id] = _Req(request=request, block_ids=[])
+        self._reqs[request.request_id] = self._new_req(request)
+
+    def _new_req(self, request: Request) -> _Req:
+        self.trace.request_started(request.request_id, trace_headers=request.trace_headers)
+        load, store, error = parse_request_params(request.kv_transfer_params)
+        if error is not None:
+            self._log.error("bad_request_params", req_id=request.request_id, error=error)
+        return _Req(request=request, block_ids=[], load=load, store=store, error=error)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         st = self._reqs.get(request.request_id)
         if st is None:  # a request vLLM added before the connector saw it
-            st = self._reqs[request.request_id] = _Req(request=request, block_ids=[])
+            st = self._reqs[request.request_id] = self._new_req(request)
+        if not st.load:
+            return 0, False
         n_chunks = self._num_keyed_chunks(request)
         ct = self.geometry.chunk_tokens
         if n_chunks * ct <= num_computed_tokens:
             st.lookup = None
             return 0, False
         keys = self._keys(request, 0, n_chunks)
+        t0 = time.time_ns()
         n_ready = self._ask(lambda r: Lookup(keys=tuple(keys), reply=r))
         hit_chunks = n_ready // self.geometry.num_groups
         self._c["tokens_looked_up"] += n_chunks * ct - num_computed_tokens
         new_tokens = hit_chunks * ct - num_computed_tokens
+        self.trace.lookup(
+            request.request_id,
+            tokens_asked=n_chunks * ct - num_computed_tokens,
+            tokens_hit=max(new_tokens, 0),
+            tokens_local=num_computed_tokens,
+            start_ns=t0,
+        )
+        self._c["tokens_missed"] += n_chunks * ct - max(hit_chunks * ct, num_computed_tokens)
         if new_tokens <= 0:
             st.lookup = None
             return 0, False
@@ -248,6 +306,7 @@ class SchedulerSide:
             # Cannot happen while this thread is the directory's only client; if it does,
             # the load fails cleanly and vLLM recomputes.
             self._log.error("load_keys_vanished", req_id=request.request_id)
+            self.trace.failed(reason="load keys vanished", req_id=request.request_id)
             slots = np.full(len(keys), -1, dtype=np.int64)
         G = geo.num_groups
         parts = []
@@ -263,8 +322,16 @@ class SchedulerSide:
         )
         st.load_job = job_id
         st.stored_upto = max(st.stored_upto, hit_chunks)
+        tp = self.trace.job_planned(
+            request.request_id, job_id, direction="load",
+            blocks=sum(len(p.device_blocks) for p in parts), tokens=num_external_tokens,
+        )
         self._pending_loads.append(
-            JobSpec(req_id=request.request_id, copy=CopyJob(job_id=job_id, direction="load", parts=tuple(parts)))
+            JobSpec(
+                req_id=request.request_id,
+                copy=CopyJob(job_id=job_id, direction="load", parts=tuple(parts)),
+                traceparent=tp,
+            )
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVFerryMetadata:
@@ -326,7 +393,11 @@ class SchedulerSide:
         if st is None:
             return False, None
         st.finished = True
-        params = {"kvferry": {"tokens_loaded": st.tokens_loaded}}
+        self.trace.request_finished(request.request_id)
+        info: dict[str, Any] = {"tokens_loaded": st.tokens_loaded}
+        if st.error is not None:
+            info["error"] = st.error
+        params = {"kvferry": info}
         if st.load_job is not None:
             # Aborted while its load runs: vLLM frees the blocks at finished_recving.
             return True, params
@@ -340,6 +411,52 @@ class SchedulerSide:
         del self._reqs[request.request_id]
         return False, params
 
+    def kv_connector_stats(self) -> dict[str, Any] | None:
+        """Counter increments since the last call, and current gauges (vLLM's stats channel)."""
+        if self._dir_dirty or self._dir_stats is None:
+            self._dir_stats = self._ask(lambda r: GetStatistics(reply=r))
+            self._dir_dirty = False
+        d = self._dir_stats
+        c = self._c
+        now = {
+            "vllm:kvferry_tokens_looked_up": c["tokens_looked_up"],
+            "vllm:kvferry_tokens_hit": c["tokens_hit"],
+            "vllm:kvferry_tokens_missed": c["tokens_missed"],
+            "vllm:kvferry_tokens_loaded": c["tokens_loaded"],
+            "vllm:kvferry_tokens_stored": c["tokens_stored"],
+            "vllm:kvferry_load_bytes": c["load_bytes"],
+            "vllm:kvferry_store_bytes": c["store_bytes"],
+            "vllm:kvferry_load_seconds": c["load_seconds"],
+            "vllm:kvferry_store_seconds": c["store_seconds"],
+            "vllm:kvferry_loads_failed": c["loads_failed"],
+            "vllm:kvferry_stores_failed": c["stores_failed"],
+            "vllm:kvferry_stores_skipped": d.stores_skipped_present + d.stores_skipped_full,
+            "vllm:kvferry_evictions": d.evictions,
+        }
+        deltas = {k: v - self._reported.get(k, 0) for k, v in now.items()}
+        self._reported = now
+        counters = {k: v for k, v in deltas.items() if v}
+        gauges = {
+            "vllm:kvferry_host_blocks_used": d.used,
+            "vllm:kvferry_host_blocks_capacity": d.capacity,
+            "vllm:kvferry_host_usage_ratio": d.used / d.capacity,
+        }
+        if not counters and gauges == self._reported_gauges:
+            return None
+        self._reported_gauges = gauges
+        return {"counters": counters, "gauges": gauges}
+
+    def reset(self) -> bool:
+        """Clear the host tier. Jobs in flight end normally; stores that were in flight are
+        then discarded instead of becoming visible."""
+        dropped = self._ask(lambda r: ClearAll(reply=r))
+        self._dir_dirty = True
+        self._stale_jobs.update(j for j, job in self._jobs.items() if job.is_store)
+        for st in self._reqs.values():
+            st.stored_upto = 0
+        self._log.info("cache_reset", dropped=len(dropped), stores_in_flight=len(self._stale_jobs))
+        return True
+
     def has_pending_work(self) -> bool:
         return bool(self._jobs or self._pending_loads or self._pending_stores or self._pending_releases)
 
@@ -348,6 +465,9 @@ class SchedulerSide:
         return SchedulerStatistics(jobs_in_flight=len(self._jobs), directory=directory, **self._c)
 
     def shutdown(self) -> None:
+        self.trace.close_all()
+        if self._provider is not None:
+            self._provider.shutdown()
         self.runtime.close()
 
     # -- internals ---------------------------------------------------------------------
@@ -360,6 +480,8 @@ class SchedulerSide:
     def _plan_store(
         self, st: _Req, computed_tokens: int, block_ids: list[list[int]]
     ) -> tuple[_Req, int, int, list[list[int]]] | None:
+        if not st.store:
+            return None
         geo = self.geometry
         upto = min(
             computed_tokens // geo.chunk_tokens,
@@ -380,6 +502,7 @@ class SchedulerSide:
         if not all_keys:
             return
         slots_all = self._ask(lambda r: PrepareStore(keys=tuple(all_keys), reply=r))
+        self._dir_dirty = True
         geo = self.geometry
         G, bpc = geo.num_groups, geo.blocks_per_chunk
         pos = 0
@@ -417,10 +540,16 @@ class SchedulerSide:
                 tokens=len(live) * geo.chunk_tokens // G if G else 0,
             )
             st.store_jobs.add(job_id)
+            tp = self.trace.job_planned(
+                st.request.request_id, job_id, direction="store",
+                blocks=sum(len(p.device_blocks) for p in parts),
+                tokens=self._jobs[job_id].tokens,
+            )
             self._pending_stores.append(
                 JobSpec(
                     req_id=st.request.request_id,
                     copy=CopyJob(job_id=job_id, direction="store", parts=tuple(parts)),
+                    traceparent=tp,
                 )
             )
 
@@ -428,6 +557,9 @@ class SchedulerSide:
         self.runtime.call(self.directory.tell, msg)
 
     def _ack(self, meta: KVFerryWorkerMetadata) -> None:
+        for key, value in meta.stats.items():
+            if key in self._c:
+                self._c[key] += value
         for job_id, (done, failed) in meta.acks.items():
             job = self._jobs.get(job_id)
             if job is None:
@@ -438,9 +570,13 @@ class SchedulerSide:
             if job.acks < self.world_size:
                 continue
             del self._jobs[job_id]
+            self.trace.job_ended(job_id, ok=not job.failed, error=None if not job.failed else f"{failed} worker(s) failed")
             st = self._reqs.get(job.req_id)
+            self._dir_dirty = True
             if job.is_store:
-                self.directory_tell(CompleteStore(slots=job.slots, ok=not job.failed))
+                stale = job_id in self._stale_jobs
+                self._stale_jobs.discard(job_id)
+                self.directory_tell(CompleteStore(slots=job.slots, ok=not job.failed and not stale))
                 self._c["stores_failed" if job.failed else "stores_done"] += 1
                 if not job.failed:
                     self._c["tokens_stored"] += job.tokens

@@ -8,11 +8,13 @@ which job. One runtime call per vLLM call.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import attrs
 
-from .._config import FerryConfig
+from .. import traces
+from .._config import FerryConfig, load_object
 from .._errors import TransferError
 from .._logging import get_logger
 from ..actors import ActorRef, ActorSystem, start_runtime
@@ -28,7 +30,7 @@ from ..transfer import (
     describe_kv_caches,
     new_copy_engine,
 )
-from ._metadata import KVFerryMetadata, KVFerryWorkerMetadata
+from ._metadata import JobSpec, KVFerryMetadata, KVFerryWorkerMetadata
 from ._scheduler import Geometry, plan_geometry
 
 if TYPE_CHECKING:
@@ -63,6 +65,9 @@ class WorkerSide:
         self._releasing: set[str] = set()
         self._load_errors: set[int] = set()
         self._acks: dict[int, list[int]] = {}
+        self._provider = traces.setup(cfg.traces, role="worker")
+        self.trace = traces.WorkerTracer(self._provider, rank=vllm_config.parallel_config.rank)
+        self._traceparents: dict[int, tuple[str, int]] = {}
         self._stats: dict[str, float] = {}
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -84,7 +89,11 @@ class WorkerSide:
         self.pool = HostPool(
             geo.num_slots, geo.blocks_per_chunk, layout.row_bytes, pin=layout.device.type == "cuda"
         )
-        engine = new_copy_engine(layout, self.pool)
+        if self.cfg.copy_engine is not None:
+            factory = load_object("copy_engine", self.cfg.copy_engine)
+            engine = factory(layout, self.pool)
+        else:
+            engine = new_copy_engine(layout, self.pool)
 
         async def setup(system: ActorSystem) -> _Refs:
             load = await system.spawn(LoadActor(engine), name="load")
@@ -124,6 +133,7 @@ class WorkerSide:
         for spec in meta.loads:
             blocks = [int(b) for p in spec.copy.parts for b in p.device_blocks]
             self._load_req[spec.copy.job_id] = (spec.req_id, blocks)
+        self._remember_traces(meta.loads)
         self.runtime.call(self._submit, self._refs.load, [s.copy for s in meta.loads])  # type: ignore[union-attr]
 
     def wait_for_save(self, meta: KVFerryMetadata) -> None:
@@ -133,8 +143,17 @@ class WorkerSide:
             self._store_req[spec.copy.job_id] = spec.req_id
             self._stores_of.setdefault(spec.req_id, set()).add(spec.copy.job_id)
         self._releasing.update(meta.release_req_ids)
+        self._remember_traces(meta.stores)
         if meta.stores:
             self.runtime.call(self._submit, self._refs.store, [s.copy for s in meta.stores])  # type: ignore[union-attr]
+
+    def _remember_traces(self, specs: list[JobSpec]) -> None:
+        if not self.trace.enabled:
+            return
+        now = time.time_ns()
+        for spec in specs:
+            if spec.traceparent is not None:
+                self._traceparents[spec.copy.job_id] = (spec.traceparent, now)
 
     @staticmethod
     async def _submit(ref: ActorRef[TransferMsg], jobs: list) -> None:  # type: ignore[type-arg]
@@ -146,7 +165,16 @@ class WorkerSide:
             return None, None
         results: list[JobResult] = self.runtime.call(self._poll, self._refs)  # type: ignore[union-attr]
         finished_recving: set[str] = set()
+        now = time.time_ns()
         for res in results:
+            traced = self._traceparents.pop(res.job_id, None)
+            if traced is not None:
+                # The copy's own duration, ending when this poll saw it end.
+                self.trace.record_copy(
+                    traced[0], job_id=res.job_id, direction=res.direction, nbytes=res.nbytes,
+                    blocks=res.num_blocks, start_ns=now - int(res.seconds * 1e9), end_ns=now,
+                    ok=res.ok, error=res.error, queued_ns=traced[1],
+                )
             ack = self._acks.setdefault(res.job_id, [0, 0])
             ack[0] += 1
             ack[1] += 0 if res.ok else 1
@@ -187,6 +215,8 @@ class WorkerSide:
         return meta
 
     def shutdown(self) -> None:
+        if self._provider is not None:
+            self._provider.shutdown()
         if self.runtime is not None:
             self.runtime.close()
             self.runtime = None
