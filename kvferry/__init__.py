@@ -12,6 +12,7 @@ from ._errors import ConfigError as ConfigError
 from ._errors import HostMemoryError as HostMemoryError
 from ._errors import KVFerryError as KVFerryError
 from ._errors import TransferError as TransferError
+from ._ferry import Ferry as Ferry
 
 __version__ = "0.1.0"
 
@@ -19,6 +20,7 @@ __all__ = [
     "ActorCrashed",
     "ActorStopped",
     "ConfigError",
+    "Ferry",
     "FerryConfig",
     "HostMemoryError",
     "KVFerryError",

@@ -19,6 +19,14 @@ from typing import Any
 
 import attrs
 
+from .actors._testing import Faulty as Faulty
+from .actors._testing import Probe as Probe
+from .actors._testing import assert_no_task_left as assert_no_task_left
+from .actors._testing import assert_no_thread_left as assert_no_thread_left
+from .actors._testing import recorded_spans as recorded_spans
+from .actors._testing import settle as settle
+from .actors._testing import settle_runtime as settle_runtime
+from .actors._testing import virtual_time_backend as virtual_time_backend
 from .traces._testing import OTLPReceiver as OTLPReceiver
 from .traces._testing import ReceivedSpan as ReceivedSpan
 from .traces._testing import decode_request as decode_request

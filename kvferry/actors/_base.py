@@ -2,121 +2,223 @@
 
 Who owns what: an :class:`Actor` owns every attribute on ``self``; only its own task
 (started by :class:`~kvferry.actors.ActorSystem`) touches them, one message at a time.
-Other tasks talk to it through its :class:`ActorRef` only. A :class:`Reply` is resolved
-on the event-loop thread, never from another thread.
+Other tasks talk to it through its :class:`ActorRef` only, on the event loop that runs
+the system. A :class:`Reply` is resolved on that loop, never from another thread.
 
-Semantics (pykka's, on bounded mailboxes):
+Semantics (pykka's, on bounded mailboxes; docs/actors.md has the table):
 
 - ``tell`` waits for room in the mailbox; ``tell_nowait`` raises :class:`anyio.WouldBlock`
   when it is full. Both raise :class:`~kvferry.ActorStopped` once the actor has stopped.
 - ``ask`` always ends: with the reply, with the exception the handler raised while
-  answering, with :class:`TimeoutError`, or with :class:`~kvferry.ActorStopped`.
+  answering, with :class:`TimeoutError`, or with :class:`~kvferry.ActorStopped`. An ask
+  that timed out (or was cancelled) while still queued is withdrawn: it is never handled.
 - An exception in a ``tell`` handler is logged, counted and handed to the actor's
-  supervisor, which restarts the actor within its budget and otherwise stops it.
-- A stopping actor first handles what is already queued; a crashed one fails its queued
-  asks with ``ActorStopped``.
+  supervisor (:class:`RestartPolicy`).
+- ``stop()`` lets the actor handle what is already queued, then stops it;
+  ``stop(drain=False)`` cancels it at once. Whatever is still queued when an actor ends
+  is dropped: queued asks fail with ``ActorStopped``, queued tells are counted.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeAlias, TypeVar
 
 import anyio
+import anyio.lowlevel
 import attrs
-from anyio.abc import TaskStatus
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from .._errors import ActorCrashed, ActorStopped
-from .._logging import get_logger
+from .._errors import ActorStopped
+from ._context import Hop, capture
+
+if TYPE_CHECKING:
+    from ._cell import _Cell
+    from ._system import ActorSystem
 
 M = TypeVar("M")
 T = TypeVar("T")
+
+_STOPPED = anyio.ClosedResourceError
+
+
+R = TypeVar("R")
+M_co = TypeVar("M_co", covariant=True)
+
+
+class _MessageClass(Protocol[R, M_co]):
+    """An ask-message class: built with its reply slot, ``Get(reply=reply)``."""
+
+    def __call__(self, *, reply: Reply[R]) -> M_co: ...
+
+
+MakeAsk: TypeAlias = "_MessageClass[T, M] | Callable[[Reply[T]], M]"
+"""What ``ask`` takes: a message class (``ref.ask(Get)``) or a callable given the reply
+(``ref.ask(lambda r: Lookup(keys=keys, reply=r))``)."""
+
+
+class Waker(Protocol):
+    """What a :class:`Reply` tells when it is resolved: an ``anyio.Event`` for an async
+    asker, or a sync runtime's own hook (stop the stepped loop, release a thread's lock)."""
+
+    def set(self) -> None: ...
 
 
 class Reply(Generic[T]):
     """One-shot answer slot carried inside an ask-message.
 
-    The handler calls :meth:`set` or :meth:`fail` exactly once; the asker awaits
-    :meth:`wait`. Resolve it only on the event-loop thread.
+    The handler calls :meth:`set` or :meth:`fail` once (later calls are ignored); the
+    asker awaits :meth:`wait`. Resolve it only on the event loop that runs the actor.
     """
 
-    __slots__ = ("_done", "_value", "_error")
+    __slots__ = ("_event", "_value", "_error", "_done", "_abandoned")
 
     def __init__(self) -> None:
-        self._done = anyio.Event()
+        # The event is created by the first waiter: most replies are awaited before they
+        # are set, but one set first (or never awaited) costs no event at all.
+        self._event: Waker | None = None
         self._value: T | None = None
         self._error: BaseException | None = None
+        self._done = False
+        self._abandoned = False
 
     @property
     def done(self) -> bool:
-        return self._done.is_set()
+        return self._done
+
+    @property
+    def abandoned(self) -> bool:
+        """True once the asker gave up (timeout, cancellation): the answer is discarded."""
+        return self._abandoned
 
     def set(self, value: T) -> None:
-        if self._done.is_set():
+        if self._done:
             return
         self._value = value
-        self._done.set()
+        self._done = True
+        if self._event is not None:
+            self._event.set()
 
     def fail(self, error: BaseException) -> None:
-        if self._done.is_set():
+        if self._done:
             return
         self._error = error
-        self._done.set()
+        self._done = True
+        if self._event is not None:
+            self._event.set()
+
+    def result(self) -> T:
+        """The value, or raise the error the reply failed with; only once :attr:`done`."""
+        assert self._done, "Reply.result() before the reply was resolved"
+        if self._error is not None:
+            raise self._error
+        return self._value  # type: ignore[return-value]
 
     async def wait(self) -> T:
-        await self._done.wait()
+        """The value, or raise the error the reply failed with."""
+        if not self._done:
+            if self._event is None:
+                self._event = anyio.Event()
+            assert isinstance(self._event, anyio.Event), "a sync runtime's reply is not awaitable"
+            try:
+                await self._event.wait()
+            except BaseException:
+                self._abandoned = True
+                raise
         if self._error is not None:
             raise self._error
         return self._value  # type: ignore[return-value]
 
 
-def _reply_of(msg: object) -> Reply[Any] | None:
+Envelope: TypeAlias = tuple[M, Reply[Any] | None, Hop | None]
+"""What a mailbox holds: the message, the asker's reply slot, the sender's context."""
+
+
+def reply_of(msg: object) -> Reply[Any] | None:
+    """The reply slot of an ask-message (a ``reply`` field), else None."""
     reply = getattr(msg, "reply", None)
     return reply if isinstance(reply, Reply) else None
 
 
 @attrs.frozen(kw_only=True)
 class ActorStatistics:
-    """A snapshot of one actor's counters."""
+    """A snapshot of one actor's counters (trio's ``statistics()`` convention)."""
 
     name: str
     mailbox_size: int
     mailbox_depth: int
+    """Messages queued, not yet handled."""
+    senders_waiting: int
+    """Tasks blocked in ``tell`` because the mailbox is full (back-pressure at work)."""
     messages_handled: int
     failures: int
+    """Handler exceptions: asks answered with an error, and tell failures."""
     restarts: int
+    messages_dropped: int
+    """Asks withdrawn by their asker, and tells still queued when the actor ended."""
     running: bool
 
 
 @attrs.frozen(kw_only=True)
 class RestartPolicy:
-    """One-for-one restart budget: at most ``max_restarts`` within ``within_s`` seconds."""
+    """One-for-one restart budget: at most ``max_restarts`` within ``within_s`` seconds.
+
+    A ``tell`` handler that raises while the budget lasts gets the actor restarted (see
+    :meth:`Actor.on_restart`); one more failure inside the window escalates: the actor
+    stops, and so does its :class:`~kvferry.actors.ActorSystem`, which reports it.
+    ``max_restarts=0`` escalates on the first failure. The window runs on the anyio clock.
+    """
 
     max_restarts: int = 3
     within_s: float = 10.0
+
+    def __attrs_post_init__(self) -> None:
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
+        if not self.within_s > 0:
+            raise ValueError(f"within_s must be > 0, got {self.within_s}")
 
 
 class Actor(Generic[M]):
     """One task, one bounded mailbox; messages are handled strictly one at a time.
 
-    Subclasses implement :meth:`handle`; they may override :meth:`on_start`,
-    :meth:`on_stop` and :meth:`on_restart` (called after a ``tell`` handler raised,
-    before the next message; the default keeps the state as it is).
+    Subclasses implement :meth:`handle` and may override :meth:`on_start`,
+    :meth:`on_stop` and :meth:`on_restart`. ``mailbox_size`` and ``restart_policy`` may
+    be set per class or per instance.
     """
 
     mailbox_size: ClassVar[int] = 64
     restart_policy: ClassVar[RestartPolicy] = RestartPolicy()
+    _cell: _Cell[M] | None = None  # set by ActorSystem.spawn
+
+    @property
+    def ref(self) -> ActorRef[M]:
+        """This actor's own ref (to tell itself, or hand to others)."""
+        if self._cell is None:
+            raise RuntimeError(f"{type(self).__name__} has not been spawned")
+        return ActorRef(self._cell)
+
+    @property
+    def system(self) -> ActorSystem:
+        """The system the actor runs in (for timers: ``self.system.send_every(...)``)."""
+        if self._cell is None:
+            raise RuntimeError(f"{type(self).__name__} has not been spawned")
+        return self._cell.system
 
     async def on_start(self) -> None:
-        """Called once in the actor's task before its first message."""
+        """Called in the actor's task before its first message; raising fails ``spawn``."""
 
     async def on_stop(self) -> None:
-        """Called once in the actor's task after its last message."""
+        """Called in the actor's task after its last message (graceful stop or escalation).
+
+        Not called when the actor is cancelled (``stop(drain=False)``, shutdown deadline).
+        """
 
     async def on_restart(self, error: BaseException) -> None:
-        """Called after a ``tell`` handler raised, when the supervisor restarts the actor."""
+        """Called when the supervisor restarts this instance after a ``tell`` handler raised.
+
+        The default keeps the state as it is (bookkeeping state is the truth). Spawn a
+        factory instead of an instance to restart from fresh state. Raising escalates.
+        """
 
     async def handle(self, msg: M) -> None:
         raise NotImplementedError
@@ -137,138 +239,97 @@ class ActorRef(Generic[M]):
     def __repr__(self) -> str:
         return f"<ActorRef {self._cell.name}>"
 
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ActorRef) and other._cell is self._cell
+
+    def __hash__(self) -> int:
+        return id(self._cell)
+
+    def _stopped(self) -> ActorStopped:
+        cell = self._cell
+        how = "crashed" if cell.error is not None else "stopped"
+        return ActorStopped(f"actor {cell.name} has {how}")
+
     async def tell(self, msg: M) -> None:
-        """Deliver ``msg``, waiting while the mailbox is full."""
+        """Deliver ``msg``, waiting while the mailbox is full (back-pressure)."""
         try:
-            await self._cell.send.send(msg)
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-            raise ActorStopped(f"actor {self.name} has stopped") from None
+            await self._cell.mailbox.send((msg, None, capture()))
+        except _STOPPED:
+            raise self._stopped() from self._cell.error
 
     def tell_nowait(self, msg: M) -> None:
         """Deliver ``msg`` now; raises :class:`anyio.WouldBlock` if the mailbox is full."""
         try:
-            self._cell.send.send_nowait(msg)
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-            raise ActorStopped(f"actor {self.name} has stopped") from None
+            self._cell.mailbox.send_nowait((msg, None, capture()))
+        except _STOPPED:
+            raise self._stopped() from self._cell.error
 
-    async def ask(self, make: Callable[[Reply[T]], M], *, timeout: float | None = None) -> T:
+    async def ask(
+        self,
+        make: MakeAsk[T, M],
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109 (pykka's ask(timeout=): bounds one ask)
+    ) -> T:
         """Send ``make(reply)`` and wait for the answer.
 
-        Ends with the reply's value, the handler's exception, :class:`TimeoutError`
-        after ``timeout`` seconds, or :class:`~kvferry.ActorStopped`.
+        ``make`` is a message class (called as ``make(reply=reply)``) or a callable
+        (called as ``make(reply)``). Ends with the reply's value, the handler's exception,
+        :class:`TimeoutError` after ``timeout`` seconds, or :class:`~kvferry.ActorStopped`.
         """
-        reply: Reply[T] = Reply()
-        # A message class is called with ``reply=`` (kw_only attrs classes); a callable
-        # gets the reply positionally.
-        msg = make(reply=reply) if isinstance(make, type) else make(reply)  # type: ignore[call-arg]
-        with anyio.fail_after(math.inf if timeout is None else timeout):
-            await self.tell(msg)
+        # The reply will be awaited: make its event now, without anyio's backend lookup.
+        reply, envelope = self._prepare_ask(make, self._cell.new_event())
+        if timeout is None:
+            await self._post(envelope, reply)
             return await reply.wait()
+        with anyio.fail_after(timeout):
+            await self._post(envelope, reply)
+            return await reply.wait()
+
+    def _prepare_ask(
+        self, make: MakeAsk[T, M], waker: Waker | None
+    ) -> tuple[Reply[T], Envelope[M]]:
+        """The reply slot and the envelope of an ask; ``waker`` is told when it is answered
+        (an event for an async asker; the sync runtimes pass their own)."""
+        reply: Reply[T] = Reply()
+        reply._event = waker
+        msg = make(reply=reply) if isinstance(make, type) else make(reply)  # type: ignore[call-arg]
+        return reply, (msg, reply, capture())
+
+    def _offer(self, envelope: Envelope[M]) -> bool:
+        """Queue ``envelope`` if there is room (True), else False. Never waits, never yields."""
+        try:
+            self._cell.mailbox.send_nowait(envelope)
+        except anyio.WouldBlock:
+            return False
+        except _STOPPED:
+            raise self._stopped() from self._cell.error
+        return True
+
+    async def _post(self, envelope: Envelope[M], reply: Reply[Any] | None) -> None:
+        # No checkpoint when there is room: the ask suspends on its reply right after,
+        # which saves one loop iteration per ask.
+        try:
+            if not self._offer(envelope):
+                await self._cell.mailbox.send(envelope)
+        except _STOPPED:
+            raise self._stopped() from self._cell.error
+        except BaseException:
+            if reply is not None:
+                reply._abandoned = True
+            raise
 
     def statistics(self) -> ActorStatistics:
         return self._cell.statistics()
 
-    async def stop(self) -> None:
-        """Close the mailbox; the actor handles what is queued, then stops."""
-        await self._cell.send.aclose()
+    async def stop(self, *, drain: bool = True) -> None:
+        """Close the mailbox: nothing more gets in.
+
+        With ``drain`` the actor handles what is queued, then stops; without, it is
+        cancelled now and its queued asks fail with :class:`~kvferry.ActorStopped`.
+        Returns at once; :meth:`wait_stopped` waits for the end.
+        """
+        self._cell.close(drain=drain)
+        await anyio.lowlevel.checkpoint()
 
     async def wait_stopped(self) -> None:
         await self._cell.stopped.wait()
-
-
-class _Cell(Generic[M]):
-    """The runtime around one actor instance: mailbox, counters, supervision."""
-
-    def __init__(self, actor: Actor[M], name: str, on_escalate: Callable[[str, BaseException], None]) -> None:
-        self.actor = actor
-        self.name = name
-        self.size = actor.mailbox_size
-        send, recv = anyio.create_memory_object_stream[M](self.size)
-        self.send: MemoryObjectSendStream[M] = send
-        self.recv: MemoryObjectReceiveStream[M] = recv
-        self.handled = 0
-        self.failures = 0
-        self.restarts: list[float] = []
-        self.running = False
-        self.stopped = anyio.Event()
-        self.error: BaseException | None = None
-        self._on_escalate = on_escalate
-        self._log = get_logger("kvferry.actors", actor=name)
-
-    def statistics(self) -> ActorStatistics:
-        return ActorStatistics(
-            name=self.name,
-            mailbox_size=self.size,
-            mailbox_depth=self.recv.statistics().current_buffer_used,
-            messages_handled=self.handled,
-            failures=self.failures,
-            restarts=len(self.restarts),
-            running=self.running,
-        )
-
-    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        self.running = True
-        try:
-            await self.actor.on_start()
-            task_status.started()
-            async for msg in self.recv:
-                if not await self._handle_one(msg):
-                    break
-            await self.actor.on_stop()
-        finally:
-            self.running = False
-            self.send.close()
-            self._fail_queued()
-            self.recv.close()
-            self.stopped.set()
-
-    async def _handle_one(self, msg: M) -> bool:
-        """Handle one message; False when the actor must stop (budget spent)."""
-        reply = _reply_of(msg)
-        try:
-            await self.actor.handle(msg)
-        except Exception as exc:
-            self.failures += 1
-            self.handled += 1
-            if reply is not None:
-                # An error while answering an ask goes back to the asker.
-                reply.fail(exc)
-                return True
-            self._log.error(
-                "tell_handler_failed", message=type(msg).__name__, exc_info=exc
-            )
-            return await self._supervise(exc)
-        self.handled += 1
-        if reply is not None and not reply.done:
-            reply.fail(RuntimeError(f"{self.name} did not answer {type(msg).__name__}"))
-        return True
-
-    async def _supervise(self, exc: BaseException) -> bool:
-        policy = self.actor.restart_policy
-        now = anyio.current_time()
-        self.restarts = [t for t in self.restarts if now - t < policy.within_s]
-        if len(self.restarts) >= policy.max_restarts:
-            self.error = exc
-            self._log.error("actor_escalated", restarts=len(self.restarts))
-            self._on_escalate(self.name, exc)
-            return False
-        self.restarts.append(now)
-        self._log.warning("actor_restarted", restarts=len(self.restarts))
-        await self.actor.on_restart(exc)
-        return True
-
-    def _fail_queued(self) -> None:
-        """Nothing waits forever on a stopped actor: fail every queued ask."""
-        while True:
-            try:
-                msg = self.recv.receive_nowait()
-            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
-                break
-            reply = _reply_of(msg)
-            if reply is not None:
-                reply.fail(
-                    ActorCrashed(f"actor {self.name} crashed") if self.error else
-                    ActorStopped(f"actor {self.name} stopped before answering")
-                )
-            else:
-                self._log.warning("tell_dropped_on_stop", message=type(msg).__name__)

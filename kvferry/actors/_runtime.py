@@ -1,138 +1,172 @@
 """Driving an :class:`ActorSystem` from synchronous code (vLLM's connector calls).
 
-Two runtimes, one interface (:class:`SyncRuntime`):
+Three ways to drive the same actors (DESIGN §2):
 
-- :class:`SteppedRuntime` runs the event loop *on the caller's thread*, only while a call
-  is in progress: ``call`` runs the loop until its coroutine is done, and the actors'
-  tasks stay suspended between calls. No extra thread competes with the engine for the
-  GIL; completions from copy threads are polled at each call. This is what the vLLM
-  facade uses (see docs/architecture.md).
-- :class:`ThreadRuntime` runs the loop on a dedicated thread behind an anyio
-  ``BlockingPortal``; ``call`` is a portal round-trip. Needed where the caller's thread
-  already runs an event loop.
+1. on a running loop: ``async with ActorSystem() as system`` inside the caller's own
+   asyncio or trio program (what :class:`kvferry.Ferry` does);
+2. :class:`~kvferry.actors.ThreadRuntime`: the loop runs on a dedicated thread, and
+   ``call`` hands a coroutine function to it and blocks until it returns;
+3. :class:`~kvferry.actors.SteppedRuntime`: the loop runs on the caller's thread, only
+   while a ``call`` is in progress; between calls the actors' tasks are suspended.
 
-Who owns what: the runtime owns its loop and the host task that keeps the actor system
-open; ``call`` and ``close`` must come from one thread at a time.
+Both sync runtimes share one interface (:class:`SyncRuntime`) and two ways to run a call.
+``call(ref.ask, make)`` and ``call(ref.tell, msg)``, the facade's everyday calls, put the
+message straight into the mailbox (:class:`_Deliver`) and wait for the reply. Any other
+``call(fn, *args)`` goes to a long-lived *call server* task inside the actor system,
+which runs calls one at a time: a call costs no new task, and runs in a real task
+(cancel scopes, anyio primitives and contextvars all behave as in any task). Either way
+the caller's span and log context travel with the call.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
-import anyio
-import anyio.from_thread
-
-from ._system import ActorSystem
+from ._base import ActorRef, Envelope, Reply
+from ._context import HopScope, capture
+from ._system import ActorSystem, ShutdownReport
 
 T = TypeVar("T")
 S = TypeVar("S")
 
 Setup = Callable[[ActorSystem], Awaitable[S]]
+"""Runs once in the new system (spawn the actors); its result is what ``start`` returns."""
 
 
 class SyncRuntime(Protocol):
+    """What the sync facade needs of a runtime. ``call`` and ``close`` come from one
+    thread at a time, never from inside the runtime's own loop."""
+
     system: ActorSystem
+
+    def start(self, setup: Setup[S]) -> S: ...
 
     def call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T: ...
 
-    def close(self) -> None: ...
+    def close(self) -> ShutdownReport: ...
 
 
-class SteppedRuntime:
-    """Runs the loop on the calling thread for the duration of each call."""
+class _Call:
+    """One call handed to the call server: the function, then its outcome.
 
-    def __init__(self, *, close_timeout_s: float = 10.0) -> None:
-        self._runner = asyncio.Runner()
-        self._close_timeout_s = close_timeout_s
-        self._host: asyncio.Task[None] | None = None
-        self._stop: anyio.Event | None = None
-        self.system: ActorSystem
+    Written by the server (on the loop), read by the caller once ``done`` is true (the
+    stepped runtime) or once ``lock`` is released (the thread runtime).
+    """
 
-    def start(self, setup: Setup[S]) -> S:
-        """Open the actor system, run ``setup(system)`` in it, and return its result."""
+    __slots__ = ("fn", "args", "hop", "value", "error", "done", "lock")
 
-        async def boot() -> S:
-            ready = anyio.Event()
-            self._stop = anyio.Event()
-            box: dict[str, Any] = {}
+    def __init__(
+        self, fn: Callable[..., Awaitable[Any]], args: tuple[Any, ...], lock: Any = None
+    ) -> None:
+        self.fn = fn
+        self.args = args
+        self.hop = capture()  # the caller's span and log context, applied around fn
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.done = False
+        self.lock = lock
 
-            async def host() -> None:
-                try:
-                    async with ActorSystem() as system:
-                        self.system = system
-                        box["value"] = await setup(system)
-                        ready.set()
-                        assert self._stop is not None
-                        await self._stop.wait()
-                except BaseException as exc:  # reported to the caller of start()
-                    box["error"] = exc
-                    ready.set()
-                    raise
+    def finish(self, value: Any = None, error: BaseException | None = None) -> None:
+        if self.done:
+            return
+        self.value = value
+        self.error = error
+        self.done = True
+        if self.lock is not None:
+            self.lock.release()
 
-            # The one place kvferry touches asyncio directly: a task that outlives this
-            # call keeps the actor system open between calls.
-            self._host = asyncio.get_running_loop().create_task(host(), name="kvferry-host")
-            await ready.wait()
-            if "error" in box:
-                raise box["error"]
-            return box["value"]  # type: ignore[no-any-return]
-
-        return self._runner.run(boot())
-
-    def call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
-        """Run ``fn(*args)`` on the loop, on this thread, until it returns."""
-        return self._runner.get_loop().run_until_complete(fn(*args))
-
-    def close(self) -> None:
-        host = self._host
-        if host is not None and not host.done():
-
-            async def shutdown() -> None:
-                assert self._stop is not None
-                self._stop.set()
-                with anyio.move_on_after(self._close_timeout_s):
-                    with contextlib.suppress(Exception):
-                        await host
-
-            self._runner.run(shutdown())
-        self._host = None
-        self._runner.close()
+    def result(self) -> Any:
+        if self.error is not None:
+            raise self.error
+        return self.value
 
 
-class ThreadRuntime:
-    """Runs the loop on a dedicated thread; each call is one portal round-trip."""
+class _Deliver:
+    """An ask or a tell that a sync runtime puts straight into a mailbox, without the
+    call server. Only when the mailbox is full does the server take it, to wait for room.
 
-    def __init__(self) -> None:
-        self._portal_cm: Any = None
-        self._system_cm: Any = None
-        self.system: ActorSystem
+    The caller waits on ``reply`` (an ask) or on ``call`` (a tell); :meth:`fail` ends
+    whichever it is.
+    """
 
-    def start(self, setup: Setup[S]) -> S:
-        self._portal_cm = anyio.from_thread.start_blocking_portal(name="kvferry-loop")
-        portal = self._portal_cm.__enter__()
-        self._portal = portal
+    __slots__ = ("ref", "envelope", "reply", "call")
+
+    def __init__(
+        self,
+        ref: ActorRef[Any],
+        envelope: Envelope[Any],
+        reply: Reply[Any] | None,
+        call: _Call | None = None,
+    ) -> None:
+        self.ref = ref
+        self.envelope = envelope
+        self.reply = reply
+        self.call = call
+
+    def offer(self) -> bool:
+        """Queue it now if there is room (True); on the loop's thread only."""
         try:
-            self._system_cm = portal.wrap_async_context_manager(ActorSystem())
-            self.system = self._system_cm.__enter__()
-            return portal.call(setup, self.system)
-        except BaseException:
-            self.close()
-            raise
+            queued = self.ref._offer(self.envelope)
+        except Exception as exc:
+            self.fail(exc)
+            return True
+        if queued and self.call is not None:
+            self.call.finish()
+        return queued
 
-    def call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
-        return self._portal.call(fn, *args)
+    def fail(self, error: BaseException) -> None:
+        if self.reply is not None:
+            self.reply.fail(error)
+        if self.call is not None:
+            self.call.finish(error=error)
 
-    def close(self) -> None:
-        # Close the actor system first: leaving the portal waits for every task in it.
-        if self._system_cm is not None:
-            cm, self._system_cm = self._system_cm, None
-            cm.__exit__(None, None, None)
-        if self._portal_cm is not None:
-            cm, self._portal_cm = self._portal_cm, None
-            cm.__exit__(None, None, None)
+
+async def send_waiting(item: _Deliver) -> None:
+    """The call server's part of a :class:`_Deliver` that found the mailbox full."""
+    try:
+        await item.ref._post(item.envelope, item.reply)
+    except Exception as exc:
+        item.fail(exc)
+        return
+    if item.call is not None:
+        item.call.finish()
+
+
+async def run_call(call: _Call) -> None:
+    """Run one call to its outcome. A BaseException (cancellation, KeyboardInterrupt)
+    is reported to the caller and then re-raised, which ends the server."""
+    try:
+        if call.hop is None:
+            value = await call.fn(*call.args)
+        else:
+            with HopScope(call.hop):
+                value = await call.fn(*call.args)
+    except Exception as exc:
+        call.finish(error=exc)
+    except BaseException as exc:
+        call.finish(error=exc)
+        raise
+    else:
+        call.finish(value)
+
+
+def ref_method(fn: Callable[..., Awaitable[Any]]) -> tuple[ActorRef[Any], str] | None:
+    """``(ref, "ask" | "tell")`` when ``fn`` is ``ref.ask`` or ``ref.tell``, else None.
+
+    The sync runtimes send those from the caller's side of the loop, without the call
+    server: the facade's common calls then cost one loop iteration (stepped) or one
+    cross-thread hop (thread).
+    """
+    ref = getattr(fn, "__self__", None)
+    if isinstance(ref, ActorRef):
+        func = getattr(fn, "__func__", None)
+        if func is ActorRef.ask:
+            return ref, "ask"
+        if func is ActorRef.tell:
+            return ref, "tell"
+    return None
 
 
 def _loop_running_here() -> bool:
@@ -143,19 +177,23 @@ def _loop_running_here() -> bool:
     return True
 
 
-def start_runtime(kind: str, setup: Setup[S]) -> tuple[SteppedRuntime | ThreadRuntime, S]:
+def start_runtime(kind: str, setup: Setup[S], **options: Any) -> tuple[Any, S]:
     """Start a runtime of ``kind`` ("stepped", "thread" or "auto") and run ``setup`` in it.
 
-    "auto" is stepped, unless this thread already runs an event loop (the stepped
-    runtime cannot nest in it), then thread.
+    "auto" is stepped (the cheapest call, no second thread competing for the GIL), unless
+    this thread already runs an event loop, in which the stepped runtime cannot nest:
+    then thread. ``options`` go to the runtime (``stop_timeout_s``, ``tracer_provider``).
     """
+    from ._stepped import SteppedRuntime
+    from ._thread import ThreadRuntime
+
     if kind == "auto":
         kind = "thread" if _loop_running_here() else "stepped"
     runtime: SteppedRuntime | ThreadRuntime
     if kind == "stepped":
-        runtime = SteppedRuntime()
+        runtime = SteppedRuntime(**options)
     elif kind == "thread":
-        runtime = ThreadRuntime()
+        runtime = ThreadRuntime(**options)
     else:
-        raise ValueError(f"unknown runtime kind {kind!r}")
+        raise ValueError(f"unknown runtime kind {kind!r} (stepped, thread or auto)")
     return runtime, runtime.start(setup)

@@ -1,8 +1,15 @@
-"""ActorSystem: a task group that owns actors, starts them ready-signalled and stops them
-in reverse order of spawning (dependents first), each within a deadline.
+"""ActorSystem: a task group that owns actors and timers, starts actors ready-signalled,
+supervises them and stops them in dependency order within a deadline.
 
-Who owns what: the system's task group owns every actor task; ``spawn`` and the context
-manager's exit run on the event loop that entered the system.
+Who owns what: the system's task group owns every actor task and every timer task;
+``spawn``, ``send_after``, ``send_every``, ``stop_all`` and the context manager's exit run
+on the event loop that entered the system (the caller's own loop, or the loop of a
+:class:`~kvferry.actors.SteppedRuntime` / :class:`~kvferry.actors.ThreadRuntime`).
+Nothing here is thread-safe; the runtimes bring calls from other threads onto the loop.
+
+Dependency order: an actor can only be handed the refs of actors that already exist, so
+an actor spawned later may depend on earlier ones but not the reverse. Stopping last
+spawned first lets every actor drain while the actors it talks to still answer.
 """
 
 from __future__ import annotations
@@ -11,32 +18,74 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 import anyio
+import attrs
 from anyio.abc import TaskGroup
+from opentelemetry import trace
 
 from .._errors import ActorCrashed
 from .._logging import get_logger
-from ._base import Actor, ActorRef, _Cell
+from ._base import ActorRef, ActorStatistics
+from ._cell import ActorSource, _Cell
+from ._timers import Timer, start_timer
 
 M = TypeVar("M")
+
+
+@attrs.frozen(kw_only=True)
+class ShutdownReport:
+    """How a system (or a runtime) stopped."""
+
+    timed_out: tuple[str, ...] = ()
+    """Actors cancelled because they had not drained by the stop deadline."""
+    crashed: tuple[str, ...] = ()
+    """Actors escalated by their supervisor (their errors: ``ActorSystem.failures``)."""
+    tasks_left: tuple[str, ...] = ()
+    """Tasks still alive when a runtime closed its loop (always empty when shutdown works)."""
+
+    @property
+    def clean(self) -> bool:
+        return not (self.timed_out or self.crashed or self.tasks_left)
 
 
 class ActorSystem:
     """``async with ActorSystem() as system: ref = await system.spawn(MyActor())``.
 
-    An actor whose supervisor gives up is *escalated*: its error is recorded, the rest of
-    the system keeps running, and :meth:`raise_if_failed` raises :class:`ActorCrashed`
-    naming it, so the next facade call reports it instead of hanging.
+    When an actor's supervisor gives up (its restart budget is spent) the actor is
+    *escalated*: its error is recorded in :attr:`failures` and the whole system stops,
+    cleanly and in dependency order. Every later ``tell``/``ask`` raises
+    :class:`~kvferry.ActorStopped`, :meth:`raise_if_failed` raises
+    :class:`~kvferry.ActorCrashed`, and so does leaving the ``async with`` block (unless
+    the block itself raised).
+
+    ``stop_timeout_s`` bounds the whole graceful shutdown; actors still busy at the
+    deadline are cancelled. With a ``tracer_provider`` every handled message gets a
+    ``handle message`` span, child of the sender's span.
     """
 
-    def __init__(self, *, stop_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        *,
+        stop_timeout_s: float = 10.0,
+        tracer_provider: trace.TracerProvider | None = None,
+    ) -> None:
         self._stop_timeout_s = stop_timeout_s
+        self._tracer = (
+            None
+            if tracer_provider is None
+            else trace.get_tracer("kvferry.actors", tracer_provider=tracer_provider)
+        )
         self._tg: TaskGroup | None = None
         self._cells: list[_Cell[Any]] = []
-        self._names: set[str] = set()
+        self._timers: list[Timer] = []
+        self._stop_done: anyio.Event | None = None  # exists once stopping began
+        self._stopped: anyio.Event | None = None  # set once stopping ended
         self.failures: dict[str, BaseException] = {}
+        """Escalated actors by name, with the error they were escalated with."""
+        self.shutdown_report: ShutdownReport | None = None
         self._log = get_logger("kvferry.actors")
 
     async def __aenter__(self) -> ActorSystem:
+        self._stopped = anyio.Event()
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         return self
@@ -52,43 +101,105 @@ class ActorSystem:
             await self.stop_all()
         finally:
             result = await self._tg.__aexit__(exc_type, exc, tb)
-            self._tg = None
+        if exc_type is None:
+            self.raise_if_failed()
         return result
 
-    async def spawn(self, actor: Actor[M], *, name: str | None = None) -> ActorRef[M]:
-        """Start ``actor`` in the system's task group; returns once it is ready."""
-        if self._tg is None:
-            raise RuntimeError("ActorSystem is not running (use `async with`)")
-        name = name or type(actor).__name__
-        if name in self._names:
-            raise ValueError(f"an actor named {name!r} already runs in this system")
-        cell: _Cell[M] = _Cell(actor, name, self._escalate)
-        await self._tg.start(cell.run)
+    @property
+    def running(self) -> bool:
+        return self._tg is not None and self._stop_done is None
+
+    def _check_running(self) -> TaskGroup:
+        if self._tg is None or self._stop_done is not None:
+            raise RuntimeError("ActorSystem is not running (use `async with`, before it stops)")
+        return self._tg
+
+    async def spawn(self, actor: ActorSource[M], *, name: str | None = None) -> ActorRef[M]:
+        """Start an actor and return its ref once :meth:`Actor.on_start` returned.
+
+        ``actor`` is an instance (a restart keeps its state, see ``on_restart``) or a
+        factory called for the first start and for every restart (fresh state).
+        Raises whatever ``on_start`` raised; names are unique within a system.
+        """
+        tg = self._check_running()
+        cell: _Cell[M] = _Cell(self, actor, name, self._tracer)
+        if any(c.name == cell.name for c in self._cells):
+            raise ValueError(f"an actor named {cell.name!r} already runs in this system")
+        await tg.start(cell.run, name=f"actor {cell.name}")
         self._cells.append(cell)
-        self._names.add(name)
         return ActorRef(cell)
 
-    async def stop_all(self) -> None:
-        """Stop every actor, last spawned first, each within the stop deadline.
+    def send_after(self, delay_s: float, ref: ActorRef[M], msg: M) -> Timer:
+        """Tell ``msg`` to ``ref`` after ``delay_s`` seconds of the anyio clock."""
+        timer = Timer(ref, msg, delay_s, periodic=False)
+        self._timers.append(timer)
+        return start_timer(self._check_running(), timer)
 
-        An actor that does not drain in time is cancelled (its queued asks fail).
+    def send_every(self, interval_s: float, ref: ActorRef[M], msg: M) -> Timer:
+        """Tell ``msg`` to ``ref`` every ``interval_s`` seconds (first after one interval).
+
+        A tick that finds the mailbox full is dropped and counted (``Timer.dropped``).
         """
-        for cell in reversed(self._cells):
-            await cell.send.aclose()
-            with anyio.move_on_after(self._stop_timeout_s) as scope:
-                await cell.stopped.wait()
-            if scope.cancelled_caught:
-                self._log.error("actor_stop_timed_out", actor=cell.name)
-        if self._tg is not None and any(not c.stopped.is_set() for c in self._cells):
-            self._tg.cancel_scope.cancel()
-        self._cells.clear()
-        self._names.clear()
+        timer = Timer(ref, msg, interval_s, periodic=True)
+        self._timers.append(timer)
+        return start_timer(self._check_running(), timer)
 
-    def _escalate(self, name: str, error: BaseException) -> None:
-        self.failures[name] = error
+    def statistics(self) -> tuple[ActorStatistics, ...]:
+        """Every actor's counters, in spawn order."""
+        return tuple(c.statistics() for c in self._cells)
+
+    async def stop_all(self) -> ShutdownReport:
+        """Stop timers, then every actor, last spawned first, within the stop deadline.
+
+        Each actor handles what it has queued before the next one is stopped. An actor
+        still busy at the deadline is cancelled (its queued asks fail with
+        :class:`~kvferry.ActorStopped`), and so is every one after it. Safe to call
+        twice; a second call waits for the first. Shielded: an outer cancellation does
+        not cut the shutdown short (the deadline does).
+        """
+        if self._stop_done is not None:
+            await self._stop_done.wait()
+            assert self.shutdown_report is not None
+            return self.shutdown_report
+        self._stop_done = anyio.Event()
+        timed_out: list[str] = []
+        with anyio.CancelScope(shield=True):
+            for timer in self._timers:
+                timer.cancel()
+            deadline = anyio.current_time() + self._stop_timeout_s
+            for cell in reversed(self._cells):
+                cell.close(drain=True)
+                with anyio.CancelScope(deadline=deadline):
+                    await cell.stopped.wait()
+                if not cell.stopped.is_set():
+                    timed_out.append(cell.name)
+                    self._log.error("actor_stop_timed_out", actor=cell.name)
+                    cell.close(drain=False)
+                    await cell.stopped.wait()
+        self.shutdown_report = ShutdownReport(
+            timed_out=tuple(timed_out), crashed=tuple(self.failures)
+        )
+        self._stop_done.set()
+        if self._stopped is not None:
+            self._stopped.set()
+        return self.shutdown_report
+
+    async def wait_stopped(self) -> ShutdownReport:
+        """Wait until the system has stopped (after an escalation, or ``stop_all``)."""
+        if self._stopped is None:
+            raise RuntimeError("ActorSystem was never entered (use `async with`)")
+        await self._stopped.wait()
+        assert self.shutdown_report is not None
+        return self.shutdown_report
+
+    def _escalated(self, cell: _Cell[Any], error: BaseException) -> None:
+        """Called by a cell whose supervisor gave up: record it and stop the system."""
+        self.failures[cell.name] = error
+        if self._stop_done is None and self._tg is not None:
+            self._tg.start_soon(self.stop_all, name="stop after escalation")
 
     def raise_if_failed(self) -> None:
-        """Raise :class:`ActorCrashed` if any actor was escalated."""
+        """Raise :class:`~kvferry.ActorCrashed` if an actor was escalated."""
         if self.failures:
             name, error = next(iter(self.failures.items()))
             raise ActorCrashed(f"actor {name} crashed: {error!r}") from error

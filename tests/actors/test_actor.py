@@ -1,146 +1,126 @@
-"""The actor core: tell, ask, back-pressure, stop, crash, supervision, sync runtimes."""
+"""tell, ask, back-pressure, statistics and stop: the contract of ActorRef."""
 
 from __future__ import annotations
 
-from typing import TypeAlias
-
 import anyio
-import attrs
 import pytest
 
-from kvferry.actors import (
-    Actor,
-    ActorCrashed,
-    ActorStopped,
-    ActorSystem,
-    Reply,
-    RestartPolicy,
-    start_runtime,
-)
+from kvferry.actors import ActorStatistics, ActorStopped, ActorSystem, Reply
+from kvferry.actors._testing import settle, virtual_time_backend
+
+from ._actors import Add, AskBoom, Counter, Forget, Get, block
+
+pytestmark = pytest.mark.anyio
 
 
-@attrs.frozen
-class Add:
-    n: int
-
-
-@attrs.frozen
-class Get:
-    reply: Reply[int] = attrs.field(eq=False)
-
-
-@attrs.frozen
-class Boom:
-    """A tell whose handler raises."""
-
-
-@attrs.frozen
-class AskBoom:
-    reply: Reply[int] = attrs.field(eq=False)
-
-
-@attrs.frozen
-class Block:
-    """Blocks the actor until ``gate`` is set."""
-
-    gate: anyio.Event = attrs.field(eq=False)
-
-
-@attrs.frozen
-class Forget:
-    """An ask whose handler never answers."""
-
-    reply: Reply[int] = attrs.field(eq=False)
-
-
-Msg: TypeAlias = Add | Get | Boom | AskBoom | Block | Forget
-
-
-class Counter(Actor[Msg]):
-    mailbox_size = 2
-    restart_policy = RestartPolicy(max_restarts=2, within_s=60.0)
-
-    def __init__(self) -> None:
-        self.value = 0
-        self.restarted = 0
-
-    async def on_restart(self, error: BaseException) -> None:
-        self.restarted += 1
-
-    async def handle(self, msg: Msg) -> None:
-        match msg:
-            case Add(n=n):
-                self.value += n
-            case Get(reply=reply):
-                reply.set(self.value)
-            case Boom():
-                raise RuntimeError("boom")
-            case AskBoom():
-                raise ValueError("bad ask")
-            case Block(gate=gate):
-                await gate.wait()
-            case Forget():
-                pass
-
-
-@pytest.mark.anyio
 async def test_tell_then_ask_sees_the_tell() -> None:
     async with ActorSystem() as system:
         ref = await system.spawn(Counter())
-        await ref.tell(Add(2))
-        await ref.tell(Add(3))
+        await ref.tell(Add(n=2))
+        await ref.tell(Add(n=3))
         assert await ref.ask(Get) == 5
-        assert ref.statistics().messages_handled == 3
 
 
-@pytest.mark.anyio
+async def test_ask_takes_a_callable_that_builds_the_message() -> None:
+    async with ActorSystem() as system:
+        ref = await system.spawn(Counter())
+        await ref.tell(Add(n=4))
+        assert await ref.ask(lambda reply: Get(reply=reply)) == 4
+
+
+async def test_messages_are_handled_in_the_order_they_were_sent() -> None:
+    async with ActorSystem() as system:
+        actor = Counter()
+        ref = await system.spawn(actor)
+        for n in range(10):
+            await ref.tell(Add(n=n))
+        await ref.ask(Get)
+        assert actor.seen == list(range(10))
+
+
 async def test_an_error_while_answering_goes_back_to_the_asker() -> None:
     async with ActorSystem() as system:
         ref = await system.spawn(Counter())
         with pytest.raises(ValueError, match="bad ask"):
             await ref.ask(AskBoom)
-        # the actor carries on
-        await ref.tell(Add(1))
+        await ref.tell(Add(n=1))  # the actor carries on, not restarted
         assert await ref.ask(Get) == 1
-        assert ref.statistics().failures == 1
+        stats = ref.statistics()
+        assert (stats.failures, stats.restarts) == (1, 0)
 
 
-@pytest.mark.anyio
 async def test_an_ask_the_handler_forgets_to_answer_still_ends() -> None:
     async with ActorSystem() as system:
         ref = await system.spawn(Counter())
-        with pytest.raises(RuntimeError, match="did not answer"):
+        with pytest.raises(RuntimeError, match="did not answer Forget"):
             await ref.ask(Forget)
 
 
-@pytest.mark.anyio
 async def test_full_mailbox_blocks_tell_and_raises_in_tell_nowait() -> None:
     async with ActorSystem() as system:
-        ref = await system.spawn(Counter())
+        ref = await system.spawn(Counter())  # mailbox_size = 2
         gate = anyio.Event()
-        await ref.tell(Block(gate))
-        await anyio.wait_all_tasks_blocked()  # the actor is now inside Block
-        ref.tell_nowait(Add(1))
-        ref.tell_nowait(Add(1))  # mailbox_size = 2: now full
-        assert ref.statistics().mailbox_depth == 2
+        await block(ref, gate)
+        ref.tell_nowait(Add(n=1))
+        ref.tell_nowait(Add(n=1))
         with pytest.raises(anyio.WouldBlock):
-            ref.tell_nowait(Add(1))
+            ref.tell_nowait(Add(n=1))
         sent = anyio.Event()
 
         async def blocked_sender() -> None:
-            await ref.tell(Add(10))
+            await ref.tell(Add(n=10))
             sent.set()
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(blocked_sender)
-            await anyio.wait_all_tasks_blocked()
+            await settle()
             assert not sent.is_set()  # tell waits for room
+            stats = ref.statistics()
+            assert (stats.mailbox_depth, stats.senders_waiting) == (2, 1)
             gate.set()
         assert sent.is_set()
         assert await ref.ask(Get) == 12
 
 
-@pytest.mark.anyio
+async def test_blocked_senders_get_room_in_the_order_they_came() -> None:
+    async with ActorSystem() as system:
+        actor = Counter()
+        ref = await system.spawn(actor)
+        gate = anyio.Event()
+        await block(ref, gate)
+        ref.tell_nowait(Add(n=0))
+        ref.tell_nowait(Add(n=1))
+        async with anyio.create_task_group() as tg:
+            for n in (2, 3, 4):
+                tg.start_soon(ref.tell, Add(n=n))
+                await settle()  # each sender blocks before the next one starts
+            gate.set()
+        await ref.ask(Get)
+        assert actor.seen == [0, 1, 2, 3, 4]
+
+
+async def test_statistics_is_a_frozen_snapshot() -> None:
+    async with ActorSystem() as system:
+        ref = await system.spawn(Counter(), name="counter")
+        await ref.tell(Add(n=1))
+        await ref.ask(Get)
+        stats = ref.statistics()
+        assert stats == ActorStatistics(
+            name="counter",
+            mailbox_size=2,
+            mailbox_depth=0,
+            senders_waiting=0,
+            messages_handled=2,
+            failures=0,
+            restarts=0,
+            messages_dropped=0,
+            running=True,
+        )
+        with pytest.raises(AttributeError):
+            stats.failures = 3  # type: ignore[misc]
+        assert system.statistics() == (stats,)
+
+
 async def test_ask_to_a_stopped_actor_raises_actor_stopped() -> None:
     async with ActorSystem() as system:
         ref = await system.spawn(Counter())
@@ -149,17 +129,18 @@ async def test_ask_to_a_stopped_actor_raises_actor_stopped() -> None:
         with pytest.raises(ActorStopped):
             await ref.ask(Get)
         with pytest.raises(ActorStopped):
-            ref.tell_nowait(Add(1))
+            await ref.tell(Add(n=1))
+        with pytest.raises(ActorStopped):
+            ref.tell_nowait(Add(n=1))
+        assert ref.statistics().running is False
 
 
-@pytest.mark.anyio
-async def test_a_stopping_actor_answers_what_was_queued() -> None:
+async def test_a_graceful_stop_handles_what_was_queued_first() -> None:
     async with ActorSystem() as system:
         ref = await system.spawn(Counter())
         gate = anyio.Event()
-        await ref.tell(Block(gate))
-        await anyio.wait_all_tasks_blocked()
-        await ref.tell(Add(4))
+        await block(ref, gate)
+        await ref.tell(Add(n=4))
         results: list[int] = []
 
         async def asker() -> None:
@@ -167,85 +148,112 @@ async def test_a_stopping_actor_answers_what_was_queued() -> None:
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(asker)
-            await anyio.wait_all_tasks_blocked()
+            await settle()
             await ref.stop()
             gate.set()
+        await ref.wait_stopped()
         assert results == [4]
 
 
-@pytest.mark.anyio
-async def test_ask_times_out() -> None:
+async def test_stop_without_drain_fails_queued_asks_with_actor_stopped() -> None:
     async with ActorSystem() as system:
         ref = await system.spawn(Counter())
-        gate = anyio.Event()
-        await ref.tell(Block(gate))
-        await anyio.wait_all_tasks_blocked()
-        with pytest.raises(TimeoutError):
-            await ref.ask(Get, timeout=0.01)
-        gate.set()
-
-
-@pytest.mark.anyio
-async def test_tell_failures_restart_within_budget_then_escalate() -> None:
-    async with ActorSystem() as system:
-        actor = Counter()
-        ref = await system.spawn(actor)
-        await ref.tell(Boom())
-        await ref.tell(Boom())
-        assert await ref.ask(Get) == 0
-        assert actor.restarted == 2
-        assert ref.statistics().restarts == 2
-        system.raise_if_failed()  # nothing escalated yet
-        gate = anyio.Event()
-        await ref.tell(Block(gate))
-        await anyio.wait_all_tasks_blocked()
-        await ref.tell(Boom())  # the third failure: over budget
-        results: list[BaseException] = []
+        await block(ref, anyio.Event())  # never set: the actor is stuck
+        errors: list[BaseException] = []
 
         async def asker() -> None:
             try:
                 await ref.ask(Get)
-            except Exception as exc:
-                results.append(exc)
+            except ActorStopped as exc:
+                errors.append(exc)
 
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(asker)
-            await anyio.wait_all_tasks_blocked()
-            gate.set()
-        # the queued ask failed instead of hanging
-        assert len(results) == 1 and isinstance(results[0], ActorCrashed)
-        with pytest.raises(ActorCrashed, match="Counter"):
-            system.raise_if_failed()
-        with pytest.raises(ActorStopped):
-            await ref.ask(Get)
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(asker)
+                tg.start_soon(asker)
+                await settle()
+                await ref.stop(drain=False)
+            await ref.wait_stopped()
+        assert len(errors) == 2
 
 
-@pytest.mark.parametrize("kind", ["stepped", "thread"])
-def test_sync_runtime_drives_the_same_actor(kind: str) -> None:
-    async def setup(system: ActorSystem):  # type: ignore[no-untyped-def]
-        return await system.spawn(Counter())
+async def test_a_tell_blocked_on_a_full_mailbox_fails_when_the_actor_stops() -> None:
+    async with ActorSystem() as system:
+        ref = await system.spawn(Counter())
+        await block(ref, anyio.Event())
+        ref.tell_nowait(Add(n=1))
+        ref.tell_nowait(Add(n=1))
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
 
-    runtime, ref = start_runtime(kind, setup)
-    try:
-        runtime.call(ref.tell, Add(7))
-        assert runtime.call(ref.ask, Get) == 7
-        assert runtime.call(ref.ask, Get) == 7
-    finally:
-        runtime.close()
-    assert ref.statistics().running is False
+                async def sender() -> None:
+                    with pytest.raises(ActorStopped):
+                        await ref.tell(Add(n=1))
+
+                tg.start_soon(sender)
+                await settle()
+                await ref.stop(drain=False)
+        await ref.wait_stopped()
+        assert ref.statistics().messages_dropped == 2  # the two queued tells
 
 
-def test_auto_runtime_inside_a_running_loop_uses_a_thread() -> None:
-    async def setup(system: ActorSystem):  # type: ignore[no-untyped-def]
-        return await system.spawn(Counter())
+@pytest.mark.parametrize("anyio_backend", [virtual_time_backend()])
+async def test_ask_times_out_on_the_anyio_clock() -> None:
+    async with ActorSystem() as system:
+        ref = await system.spawn(Counter())
+        gate = anyio.Event()
+        await block(ref, gate)
+        t0 = anyio.current_time()
+        with pytest.raises(TimeoutError):
+            await ref.ask(Get, timeout=30.0)
+        assert anyio.current_time() - t0 == pytest.approx(30.0)
+        gate.set()
 
-    async def main() -> str:
-        runtime, ref = start_runtime("auto", setup)
-        try:
-            runtime.call(ref.tell, Add(1))
-            assert runtime.call(ref.ask, Get) == 1
-            return type(runtime).__name__
-        finally:
-            runtime.close()
 
-    assert anyio.run(main) == "ThreadRuntime"
+async def test_an_ask_that_timed_out_while_queued_is_never_handled() -> None:
+    async with ActorSystem() as system:
+        actor = Counter()
+        ref = await system.spawn(actor)
+        gate = anyio.Event()
+        await block(ref, gate)
+        with pytest.raises(TimeoutError):
+            await ref.ask(lambda r: AskBoom(reply=r), timeout=0.01)  # would count a failure
+        gate.set()
+        assert await ref.ask(Get) == 0
+        stats = ref.statistics()
+        assert (stats.failures, stats.messages_dropped) == (0, 1)
+
+
+async def test_an_actor_reaches_its_own_ref_and_system() -> None:
+    async with ActorSystem() as system:
+        actor = Counter()
+        ref = await system.spawn(actor, name="c")
+        assert actor.ref == ref
+        assert actor.system is system
+
+
+async def test_on_start_failure_fails_spawn_and_the_system_runs_on() -> None:
+    class Broken(Counter):
+        async def on_start(self) -> None:
+            raise OSError("no device")
+
+    async with ActorSystem() as system:
+        with pytest.raises(OSError, match="no device"):
+            await system.spawn(Broken())
+        ref = await system.spawn(Counter())
+        assert await ref.ask(Get) == 0
+
+
+async def test_names_are_unique_within_a_system() -> None:
+    async with ActorSystem() as system:
+        await system.spawn(Counter(), name="x")
+        with pytest.raises(ValueError, match="'x'"):
+            await system.spawn(Counter(), name="x")
+
+
+async def test_a_reply_resolves_once() -> None:
+    reply: Reply[int] = Reply()
+    reply.set(1)
+    reply.fail(RuntimeError("late"))
+    reply.set(2)
+    assert reply.done and await reply.wait() == 1

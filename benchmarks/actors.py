@@ -1,0 +1,288 @@
+"""What an actor hop costs, against the bare anyio primitive it is built on.
+
+Run with the project's venv: ``.venv/bin/python benchmarks/actors.py [--quick]``.
+Prints a table, then (last line) one JSON object:
+
+- ``tell_vs_raw_stream``: messages/s through an actor ÷ messages/s through a bare anyio
+  memory-object stream pair doing the same work (target ≥ 0.5);
+- ``ask_vs_raw_roundtrip``: ask round trip ÷ a bare request/response over two anyio
+  streams (target ≤ 2.0);
+- ``sync_call_us_stepped`` / ``sync_call_us_thread``: median µs of one sync-facade call
+  (``runtime.call(ref.ask, Get)``) to an actor that replies at once (targets ≤ 20 / ≤ 60).
+
+Every figure is measured in this run, each against its baseline in the same process;
+trials alternate between the two sides so that a noisy neighbour hits both alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeAlias
+
+import anyio
+import anyio.from_thread
+import attrs
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvferry.actors import Actor, ActorSystem, Reply, SteppedRuntime, ThreadRuntime  # noqa: E402
+
+QUICK = "--quick" in sys.argv
+TRIALS = 3 if QUICK else 7
+N_TELL = 5_000 if QUICK else 20_000
+N_ASK = 2_000 if QUICK else 5_000
+N_CALL = 1_000 if QUICK else 4_000
+
+
+@attrs.frozen(kw_only=True)
+class Add:
+    n: int
+
+
+@attrs.frozen(kw_only=True)
+class Get:
+    reply: Reply[int] = attrs.field(eq=False, repr=False)
+
+
+Msg: TypeAlias = Add | Get
+
+
+class Counter(Actor[Msg]):
+    mailbox_size = 64
+
+    def __init__(self) -> None:
+        self.total = 0
+
+    async def handle(self, msg: Msg) -> None:
+        match msg:
+            case Add(n=n):
+                self.total += n
+            case Get(reply=reply):
+                reply.set(self.total)
+
+
+# -- async figures ---------------------------------------------------------------------
+
+
+async def raw_stream_rate(n: int) -> float:
+    send, recv = anyio.create_memory_object_stream[Add](64)
+    total = 0
+
+    async def consumer() -> None:
+        nonlocal total
+        async with recv:
+            async for msg in recv:
+                total += msg.n
+
+    gc.collect()
+    t0 = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(consumer)
+        async with send:
+            for _ in range(n):
+                await send.send(Add(n=1))
+    dt = time.perf_counter() - t0
+    assert total == n
+    return n / dt
+
+
+async def actor_tell_rate(n: int) -> float:
+    async with ActorSystem() as system:
+        ref = await system.spawn(Counter())
+        gc.collect()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            await ref.tell(Add(n=1))
+        total = await ref.ask(Get)  # the last tell has been handled
+        dt = time.perf_counter() - t0
+    assert total == n
+    return n / dt
+
+
+async def raw_roundtrip_us(n: int) -> float:
+    req_send, req_recv = anyio.create_memory_object_stream[int](1)
+    resp_send, resp_recv = anyio.create_memory_object_stream[int](1)
+    total = 0
+
+    async def server() -> None:
+        async with req_recv, resp_send:
+            async for value in req_recv:
+                await resp_send.send(total + value)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(server)
+        gc.collect()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            await req_send.send(0)
+            await resp_recv.receive()
+        dt = time.perf_counter() - t0
+        await req_send.aclose()
+    return dt / n * 1e6
+
+
+async def actor_ask_us(n: int) -> float:
+    async with ActorSystem() as system:
+        ref = await system.spawn(Counter())
+        gc.collect()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            await ref.ask(Get)
+        dt = time.perf_counter() - t0
+    return dt / n * 1e6
+
+
+# -- sync facade figures ---------------------------------------------------------------
+
+
+async def _spawn_counter(system: ActorSystem):  # type: ignore[no-untyped-def]
+    return await system.spawn(Counter())
+
+
+def _median_call_us(call: Callable[[], object], n: int) -> float:
+    for _ in range(50):
+        call()
+    gc.collect()
+    samples = []
+    clock = time.perf_counter_ns
+    for _ in range(n):
+        t0 = clock()
+        call()
+        samples.append(clock() - t0)
+    return statistics.median(samples) / 1e3
+
+
+def stepped_call_us(n: int) -> float:
+    runtime = SteppedRuntime()
+    ref = runtime.start(_spawn_counter)
+    try:
+        return _median_call_us(lambda: runtime.call(ref.ask, Get), n)
+    finally:
+        runtime.close()
+
+
+def run_until_complete_call_us(n: int) -> float:
+    """Baseline: the previous stepped runtime, ``loop.run_until_complete`` per call."""
+    loop = asyncio.new_event_loop()
+    box: dict[str, object] = {}
+
+    async def host() -> None:
+        box["stop"] = stop = asyncio.Event()
+        async with ActorSystem() as system:
+            box["ref"] = await system.spawn(Counter())
+            await stop.wait()
+
+    task = loop.create_task(host())
+    while "ref" not in box:
+        loop.run_until_complete(asyncio.sleep(0))
+    ref = box["ref"]
+    try:
+        return _median_call_us(lambda: loop.run_until_complete(ref.ask(Get)), n)  # type: ignore[attr-defined]
+    finally:
+        box["stop"].set()  # type: ignore[attr-defined]
+        loop.run_until_complete(task)
+        loop.close()
+
+
+def thread_call_us(n: int) -> float:
+    runtime = ThreadRuntime()
+    ref = runtime.start(_spawn_counter)
+    try:
+        return _median_call_us(lambda: runtime.call(ref.ask, Get), n)
+    finally:
+        runtime.close()
+
+
+def portal_call_us(n: int) -> float:
+    """Baseline: anyio's BlockingPortal.call, the previous thread runtime."""
+    with anyio.from_thread.start_blocking_portal() as portal:
+        cm = portal.wrap_async_context_manager(ActorSystem())
+        system = cm.__enter__()
+        try:
+            ref = portal.call(_spawn_counter, system)
+            return _median_call_us(lambda: portal.call(ref.ask, Get), n)
+        finally:
+            cm.__exit__(None, None, None)
+
+
+def best(fn: Callable[[], float], *, high: bool) -> float:
+    values = [fn() for _ in range(TRIALS)]
+    return max(values) if high else min(values)
+
+
+def main() -> None:
+    raw_rates, tell_rates, raw_rt, ask_rt = [], [], [], []
+    for _ in range(TRIALS):  # alternate, so both sides see the same background load
+        raw_rates.append(anyio.run(raw_stream_rate, N_TELL))
+        tell_rates.append(anyio.run(actor_tell_rate, N_TELL))
+        raw_rt.append(anyio.run(raw_roundtrip_us, N_ASK))
+        ask_rt.append(anyio.run(actor_ask_us, N_ASK))
+    raw_rate, tell_rate = statistics.median(raw_rates), statistics.median(tell_rates)
+    raw_us, ask_us = statistics.median(raw_rt), statistics.median(ask_rt)
+
+    stepped, rtc, thread, portal = [], [], [], []
+    for _ in range(TRIALS):
+        stepped.append(stepped_call_us(N_CALL))
+        rtc.append(run_until_complete_call_us(N_CALL))
+        thread.append(thread_call_us(N_CALL))
+        portal.append(portal_call_us(N_CALL))
+    stepped_us, rtc_us = statistics.median(stepped), statistics.median(rtc)
+    thread_us, portal_us = statistics.median(thread), statistics.median(portal)
+
+    rows = [
+        (
+            "tell throughput",
+            f"{tell_rate:,.0f} msg/s",
+            f"{raw_rate:,.0f} msg/s (raw stream)",
+            f"{tell_rate / raw_rate:.2f}",
+            "≥ 0.5",
+        ),
+        (
+            "ask round trip",
+            f"{ask_us:.1f} µs",
+            f"{raw_us:.1f} µs (raw req/resp)",
+            f"{ask_us / raw_us:.2f}",
+            "≤ 2.0",
+        ),
+        (
+            "sync call, stepped",
+            f"{stepped_us:.1f} µs",
+            f"{rtc_us:.1f} µs (run_until_complete)",
+            f"{stepped_us / rtc_us:.2f}",
+            "≤ 20 µs",
+        ),
+        (
+            "sync call, thread",
+            f"{thread_us:.1f} µs",
+            f"{portal_us:.1f} µs (BlockingPortal)",
+            f"{thread_us / portal_us:.2f}",
+            "≤ 60 µs",
+        ),
+    ]
+    head = ("figure", "kvferry", "baseline", "ratio", "target")
+    widths = [max(len(r[i]) for r in [*rows, head]) for i in range(len(head))]
+    py = sys.version.split()[0]
+    print(f"kvferry actors benchmark ({TRIALS} trials each, medians; python {py})")
+    for r in [head, tuple("-" * w for w in widths), *rows]:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
+    print(
+        json.dumps(
+            {
+                "tell_vs_raw_stream": round(tell_rate / raw_rate, 3),
+                "ask_vs_raw_roundtrip": round(ask_us / raw_us, 3),
+                "sync_call_us_stepped": round(stepped_us, 2),
+                "sync_call_us_thread": round(thread_us, 2),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

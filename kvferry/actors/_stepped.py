@@ -1,0 +1,312 @@
+"""SteppedRuntime: the actors' event loop runs on the caller's thread, during calls only.
+
+``call(ref.ask, make)`` puts the message in the actor's mailbox from this thread and runs
+the loop until the reply is set, so an actor that answers at once costs one loop
+iteration. ``call(ref.tell, msg)`` only queues (the actor handles it
+in the next call's iterations). Any other ``call(fn, *args)`` goes to the call server (a
+task of the actor system) and runs the loop until the server has finished it. Then the
+loop stops and every actor task stays suspended until the next call. No second thread
+competes with the engine for the GIL, and no call creates a task or runs
+``run_until_complete``. Work that completes between calls (a copy thread's future, an
+expired timer) is picked up by the next call's iterations.
+
+This is the one module of kvferry that drives asyncio directly: a loop cannot be stepped
+through anyio. It even steps CPython's loops through their private ``_run_once`` (see
+:class:`_Stepper`, which falls back to ``run_forever`` where that is missing).
+Everything that runs *inside* the loop (actors, the call server's calls) uses anyio only.
+
+Who owns what: the runtime owns its loop, the host task (which holds the actor system
+open) and the call queue. ``start``, ``call`` and ``close`` must come from one thread at
+a time, and never from inside the loop (a handler cannot ``call`` its own runtime).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import attrs
+from opentelemetry import trace
+
+from .._errors import ActorCrashed, ActorStopped
+from .._logging import get_logger
+from ._base import ActorRef, MakeAsk, Reply
+from ._runtime import (
+    Setup,
+    _Call,
+    _Deliver,
+    _loop_running_here,
+    ref_method,
+    run_call,
+    send_waiting,
+)
+from ._system import ActorSystem, ShutdownReport
+
+T = TypeVar("T")
+S = TypeVar("S")
+M = TypeVar("M")
+
+
+class _Stepper:
+    """Runs a loop one iteration at a time on the calling thread, until a condition holds.
+
+    On CPython's loops it calls ``_run_once`` itself, inside the running-loop state that
+    ``run_forever`` would set up (running loop, async-generator hooks, thread id): about
+    3 µs a call cheaper than ``run_forever`` + ``stop``, a sixth of a whole call. Other
+    loops are run with ``run_forever``, which :meth:`set` stops after each iteration in
+    which something the caller waits for happened.
+
+    ``set`` makes the stepper a reply's waker: the answer ends the step.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._run_once: Callable[[], None] | None = getattr(loop, "_run_once", None)
+        self._hooks = (
+            getattr(loop, "_asyncgen_firstiter_hook", None),
+            getattr(loop, "_asyncgen_finalizer_hook", None),
+        )
+        self.manual = (
+            self._run_once is not None and None not in self._hooks and hasattr(loop, "_thread_id")
+        )
+
+    def set(self) -> None:
+        if not self.manual:
+            self.loop.stop()
+
+    def run_until(
+        self,
+        until: Callable[[], bool],
+        check: Callable[[], None],
+    ) -> None:
+        """Step until ``until()``; ``check()`` runs before each step and may raise."""
+        loop = self.loop
+        if asyncio._get_running_loop() is not None:
+            raise RuntimeError("SteppedRuntime cannot be driven from inside a running loop")
+        if not self.manual:
+            while not until():
+                check()
+                loop.run_forever()
+            return
+        run_once = self._run_once
+        assert run_once is not None
+        old_hooks = sys.get_asyncgen_hooks()
+        asyncio._set_running_loop(loop)
+        sys.set_asyncgen_hooks(*self._hooks)
+        loop._thread_id = threading.get_ident()  # type: ignore[attr-defined]
+        try:
+            while not until():
+                check()
+                run_once()
+        finally:
+            loop._thread_id = None  # type: ignore[attr-defined]
+            asyncio._set_running_loop(None)
+            sys.set_asyncgen_hooks(*old_hooks)
+
+
+class SteppedRuntime:
+    """Runs the actors' loop on the calling thread for the duration of each call."""
+
+    def __init__(
+        self,
+        *,
+        stop_timeout_s: float = 10.0,
+        tracer_provider: trace.TracerProvider | None = None,
+    ) -> None:
+        # A loop of our own, never installed as the thread's current loop.
+        self._runner = asyncio.Runner(loop_factory=asyncio.new_event_loop)
+        self._stop_timeout_s = stop_timeout_s
+        self._tracer_provider = tracer_provider
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._host: asyncio.Task[None] | None = None
+        self._queue: deque[_Call | _Deliver | None] = deque()
+        self._stepper: _Stepper | None = None
+        self._wakeup: asyncio.Future[None] | None = None
+        self._busy = False
+        self._report: ShutdownReport | None = None
+        self._log = get_logger("kvferry.actors", runtime="stepped")
+        self.system: ActorSystem
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        assert self._loop is not None, "start() first"
+        return self._loop
+
+    def start(self, setup: Setup[S]) -> S:
+        """Open the actor system, run ``setup(system)`` in it, and return its result."""
+        if _loop_running_here():
+            raise RuntimeError(
+                "SteppedRuntime cannot run inside a running event loop: use ThreadRuntime "
+                "or `async with ActorSystem()`"
+            )
+        loop = self._loop = self._runner.get_loop()
+        stepper = self._stepper = _Stepper(loop)
+        ready = _Call(setup, ())
+        host = self._host = loop.create_task(self._host_main(ready), name="kvferry host")
+        # Whatever ends the host (done, crashed) must also end the step in progress.
+        host.add_done_callback(lambda _: stepper.set())
+        try:
+            self._step_until(ready)
+            return ready.result()  # type: ignore[no-any-return]
+        except BaseException:
+            self.close()
+            raise
+
+    async def _host_main(self, ready: _Call) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._stepper is not None
+        end_step = self._stepper.set
+        try:
+            async with ActorSystem(
+                stop_timeout_s=self._stop_timeout_s, tracer_provider=self._tracer_provider
+            ) as system:
+                self.system = system
+                ready.args = (system,)
+                await run_call(ready)
+                end_step()
+                if ready.error is None:
+                    await self._serve(loop, end_step)
+        except ActorCrashed:
+            pass  # already reported: by calls, by the log, and in the shutdown report
+
+    async def _serve(self, loop: asyncio.AbstractEventLoop, end_step: Callable[[], None]) -> None:
+        """The call server: one call at a time, in this (the host) task."""
+        queue = self._queue
+        while True:
+            while not queue:
+                self._wakeup = loop.create_future()
+                await self._wakeup
+            item = queue.popleft()
+            if item is None:
+                return
+            if isinstance(item, _Deliver):
+                await send_waiting(item)
+            else:
+                await run_call(item)
+            # Ends this step after the current iteration: the actors that the call woke
+            # have run as far as they could without waiting.
+            end_step()
+
+    def _step_until(self, done: _Call | Reply[Any], timeout: float | None = None) -> None:
+        """Run the loop on this thread until ``done`` is (or ``timeout`` seconds passed)."""
+        assert self._loop is not None and self._host is not None and self._stepper is not None
+        loop, host, stepper = self._loop, self._host, self._stepper
+        deadline = None if timeout is None else loop.time() + timeout
+        # Without a timer at the deadline, select() could sleep past it.
+        alarm = None if deadline is None else loop.call_at(deadline, stepper.set)
+
+        def check() -> None:
+            if host.done():
+                error = None if host.cancelled() else host.exception()
+                raise ActorStopped("the stepped runtime's host task ended") from error
+            if deadline is not None and loop.time() >= deadline:
+                raise TimeoutError(f"no answer within {timeout} s")
+
+        self._busy = True
+        try:
+            stepper.run_until(lambda: done.done, check)
+        finally:
+            self._busy = False
+            if alarm is not None:
+                alarm.cancel()
+
+    def _submit(self, item: _Call | _Deliver | None) -> None:
+        self._queue.append(item)
+        wakeup = self._wakeup
+        if wakeup is not None and not wakeup.done():
+            wakeup.set_result(None)
+
+    def _check_open(self) -> None:
+        if self._busy:
+            raise RuntimeError("SteppedRuntime is not reentrant (called from its own loop?)")
+        host = self._host
+        if host is None or host.done():
+            raise ActorStopped("the stepped runtime is closed")
+        if self.system.failures:
+            self.system.raise_if_failed()
+
+    def call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """Run ``fn(*args)`` on the loop, on this thread, and return its result.
+
+        ``ref.ask`` and ``ref.tell`` take the short way (:meth:`ask`, :meth:`tell`).
+        Raises what ``fn`` raised; :class:`~kvferry.ActorCrashed` if an actor of the
+        system was escalated; :class:`~kvferry.ActorStopped` once the runtime is closed.
+        """
+        routed = ref_method(fn)
+        if routed is not None and len(args) == 1:
+            ref, kind = routed
+            if kind == "ask":
+                return self.ask(ref, args[0])  # type: ignore[no-any-return]
+            self.tell(ref, args[0])
+            return None  # type: ignore[return-value]
+        self._check_open()
+        call = _Call(fn, args)
+        self._submit(call)
+        self._step_until(call)
+        return call.result()  # type: ignore[no-any-return]
+
+    def ask(self, ref: ActorRef[M], make: MakeAsk[T, M], *, timeout: float | None = None) -> T:
+        """``ref.ask(make)`` from sync code: queue the message from this thread, then run
+        the loop until the answer is set (the answer stops the loop).
+
+        Raises :class:`TimeoutError` after ``timeout`` seconds (the ask is withdrawn if
+        still queued), and what ``ref.ask`` raises.
+        """
+        self._check_open()
+        reply, envelope = ref._prepare_ask(make, self._stepper)
+        item = _Deliver(ref, envelope, reply)
+        if not item.offer():
+            self._submit(item)  # full: the call server waits for room
+        try:
+            self._step_until(reply, timeout)
+        except BaseException:
+            reply._abandoned = True
+            raise
+        return reply.result()
+
+    def tell(self, ref: ActorRef[M], msg: M) -> None:
+        """``ref.tell(msg)`` from sync code: queue it; the actor handles it during the
+        next call. Waits (runs the loop) only while the mailbox is full."""
+        self._check_open()
+        call = _Call(ref.tell, (msg,))
+        item = _Deliver(ref, (msg, None, call.hop), None, call)
+        if not item.offer():
+            self._submit(item)
+            self._step_until(call)
+        call.result()
+
+    def close(self) -> ShutdownReport:
+        """Stop the actors (dependency order, within the deadline), then close the loop.
+
+        Idempotent. The report's ``tasks_left`` names tasks still alive once the system
+        stopped, before the loop cancels them: empty when shutdown left nothing behind.
+        """
+        if self._report is not None:
+            return self._report
+        if self._busy:
+            raise RuntimeError("SteppedRuntime.close() from inside its own loop")
+        tasks_left: tuple[str, ...] = ()
+        host, loop = self._host, self._loop
+        if host is not None and loop is not None:
+            if not host.done():
+                assert self._stepper is not None
+                self._submit(None)
+                self._busy = True
+                try:
+                    self._stepper.run_until(host.done, lambda: None)
+                finally:
+                    self._busy = False
+            if not host.cancelled() and host.exception() is not None:
+                self._log.error("runtime_host_failed", exc_info=host.exception())
+            tasks_left = tuple(sorted(t.get_name() for t in asyncio.all_tasks(loop)))
+            if tasks_left:
+                self._log.error("tasks_left_behind", tasks=list(tasks_left))
+        self._runner.close()  # cancels what is left, stops anyio's idle worker threads
+        system = getattr(self, "system", None)
+        base = (system.shutdown_report if system is not None else None) or ShutdownReport()
+        self._report = attrs.evolve(base, tasks_left=tasks_left)
+        return self._report

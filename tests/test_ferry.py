@@ -1,0 +1,172 @@
+"""kvferry.Ferry: the embedding API, on the caller's own loop, over real copy threads."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import anyio
+import pytest
+import torch
+
+from kvferry import HostMemoryError, TransferError
+from kvferry._ferry import Ferry
+from kvferry.actors._testing import assert_no_task_left, assert_no_thread_left
+from kvferry.transfer import CopyJob, HostPool, KVLayout, new_copy_engine
+
+pytestmark = pytest.mark.anyio
+
+NUM_BLOCKS = 24
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def kv_caches(seed: int = 0) -> dict[str, torch.Tensor]:
+    """Two layers shaped like vLLM's (K/V, blocks, tokens, heads, head dim), seeded."""
+    g = torch.Generator().manual_seed(seed)
+    return {f"layer.{i}": torch.randn(2, NUM_BLOCKS, 16, 2, 8, generator=g) for i in range(2)}
+
+
+def keys(*names: int) -> list[bytes]:
+    return [f"key-{n}".encode() for n in names]
+
+
+def blocks_of(kv: dict[str, torch.Tensor], ids: list[int]) -> list[torch.Tensor]:
+    return [t[:, ids].clone() for t in kv.values()]
+
+
+@pytest.fixture
+async def ferry_and_kv() -> AsyncIterator[tuple[Ferry, dict[str, torch.Tensor]]]:
+    kv = kv_caches()
+    async with Ferry(kv, num_blocks=NUM_BLOCKS, cpu_bytes_to_use=1 << 20, copy_threads=2) as f:
+        yield f, kv
+
+
+async def test_a_stored_block_loads_back_byte_for_byte(ferry_and_kv) -> None:  # type: ignore[no-untyped-def]
+    ferry, kv = ferry_and_kv
+    before = blocks_of(kv, [1, 2, 3])
+    assert await ferry.store(keys(1, 2, 3), [1, 2, 3]) == 3
+    for t in kv.values():
+        t.zero_()  # the engine reuses its blocks
+    await ferry.load(keys(1, 2, 3), [7, 5, 6])
+    after = blocks_of(kv, [7, 5, 6])
+    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+
+
+async def test_lookup_counts_only_the_leading_stored_keys(ferry_and_kv) -> None:  # type: ignore[no-untyped-def]
+    ferry, _ = ferry_and_kv
+    await ferry.store(keys(1, 2, 4), [1, 2, 4])
+    assert await ferry.lookup(keys(1, 2, 3, 4)) == 2
+    assert await ferry.lookup(keys(9)) == 0
+
+
+async def test_storing_what_is_stored_copies_nothing(ferry_and_kv) -> None:  # type: ignore[no-untyped-def]
+    ferry, _ = ferry_and_kv
+    assert await ferry.store(keys(1, 2), [1, 2]) == 2
+    assert await ferry.store(keys(1, 2, 3), [1, 2, 3]) == 1
+    stats = await ferry.statistics()
+    assert (stats.stores_completed, stats.stores_skipped_present) == (3, 2)
+
+
+async def test_loading_a_key_that_is_not_stored_copies_nothing(ferry_and_kv) -> None:  # type: ignore[no-untyped-def]
+    ferry, kv = ferry_and_kv
+    await ferry.store(keys(1), [1])
+    before = blocks_of(kv, [5, 6])
+    with pytest.raises(KeyError):
+        await ferry.load(keys(1, 2), [5, 6])
+    assert all(torch.equal(a, b) for a, b in zip(blocks_of(kv, [5, 6]), before, strict=True))
+    assert (await ferry.statistics()).pinned == 0
+
+
+async def test_keys_and_blocks_must_pair_up(ferry_and_kv) -> None:  # type: ignore[no-untyped-def]
+    ferry, _ = ferry_and_kv
+    with pytest.raises(ValueError, match="2 keys but 1 block"):
+        await ferry.store(keys(1, 2), [1])
+    with pytest.raises(ValueError, match="block ids must be in"):
+        await ferry.load(keys(1), [NUM_BLOCKS])
+
+
+async def test_concurrent_stores_and_loads_all_complete_with_the_right_bytes(
+    ferry_and_kv,  # type: ignore[no-untyped-def]
+) -> None:
+    ferry, kv = ferry_and_kv
+    expected = {n: blocks_of(kv, [n]) for n in range(12)}
+    async with anyio.create_task_group() as tg:
+        for n in range(12):
+            tg.start_soon(ferry.store, keys(n), [n])
+    assert await ferry.lookup(keys(*range(12))) == 12
+    for t in kv.values():
+        t.zero_()
+
+    async def load_one(n: int) -> None:
+        await ferry.load(keys(n), [12 + n])
+
+    async with anyio.create_task_group() as tg:
+        for n in range(12):
+            tg.start_soon(load_one, n)
+    for n in range(12):
+        got = blocks_of(kv, [12 + n])
+        assert all(torch.equal(a, b) for a, b in zip(got, expected[n], strict=True))
+
+
+async def test_a_cancelled_store_still_finishes_its_copy(ferry_and_kv) -> None:  # type: ignore[no-untyped-def]
+    ferry, _ = ferry_and_kv
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await ferry.store(keys(1, 2), [1, 2])
+    assert await ferry.lookup(keys(1, 2)) == 2  # whole, not half-written
+    assert (await ferry.statistics()).storing == 0
+
+
+class _BrokenEngine:
+    """A copy engine whose every submission fails (a device error, say)."""
+
+    def __init__(self, layout: KVLayout, pool: HostPool) -> None:
+        self._real = new_copy_engine(layout, pool, num_threads=1)
+
+    def submit(self, job: CopyJob) -> object:
+        raise RuntimeError("device lost")
+
+    def job_bytes(self, job: CopyJob) -> int:
+        return self._real.job_bytes(job)
+
+    def close(self) -> None:
+        self._real.close()
+
+
+async def test_a_failed_store_raises_and_its_keys_never_become_visible() -> None:
+    kv = kv_caches()
+    async with Ferry(
+        kv, num_blocks=NUM_BLOCKS, cpu_bytes_to_use=1 << 20, copy_engine=_BrokenEngine
+    ) as ferry:
+        with pytest.raises(TransferError, match="device lost"):
+            await ferry.store(keys(1), [1])
+        assert await ferry.lookup(keys(1)) == 0
+        assert (await ferry.statistics()).stores_failed == 1
+
+
+async def test_leaving_the_ferry_stops_its_actors_and_copy_threads() -> None:
+    with assert_no_thread_left():
+        async with assert_no_task_left():
+            async with Ferry(kv_caches(), num_blocks=NUM_BLOCKS, cpu_bytes_to_use=1 << 20) as f:
+                await f.store(keys(1), [1])
+                assert [s.name for s in f.system.statistics()] == [
+                    "directory",
+                    "LoadActor",
+                    "StoreActor",
+                ]
+    assert f.system.shutdown_report is not None and f.system.shutdown_report.clean
+
+
+async def test_a_host_pool_smaller_than_one_block_is_refused() -> None:
+    with pytest.raises(HostMemoryError):
+        async with Ferry(kv_caches(), num_blocks=NUM_BLOCKS, cpu_bytes_to_use=100):
+            pass
+
+
+async def test_a_ferry_is_used_inside_async_with() -> None:
+    ferry = Ferry(kv_caches(), num_blocks=NUM_BLOCKS, cpu_bytes_to_use=1 << 20)
+    with pytest.raises(RuntimeError, match="async with"):
+        await ferry.lookup(keys(1))
