@@ -159,6 +159,8 @@ class _Req:
     """Chunks below this index were stored (or skipped, or loaded) already."""
     lookup: tuple[int, int] | None = None
     """(num_computed_tokens, hit chunks) of the last get_num_new_matched_tokens."""
+    counts: tuple[int, int] | None = None
+    """(tokens asked, tokens hit) of the last lookup, counted once the request is admitted."""
     load_job: int | None = None
     store_jobs: set[int] = attrs.field(factory=set)
     finished: bool = False
@@ -201,6 +203,7 @@ class SchedulerSide:
 
         self._dir_stats: DirectoryStatistics | None = None
         self._dir_dirty = True
+        self._dir_stats_at = 0.0
         self._reported: dict[str, float] = {}
         self._reported_gauges: dict[str, float] = {}
         self._stale_jobs: set[int] = set()
@@ -261,32 +264,45 @@ class SchedulerSide:
         if n_chunks * ct <= num_computed_tokens:
             st.lookup = None
             return 0, False
-        keys = self._keys(request, 0, n_chunks)
+        # Chunks the engine already holds need no lookup: the hit starts after them.
+        first = num_computed_tokens // ct
+        keys = self._keys(request, first, n_chunks)
         t0 = time.time_ns()
         n_ready = self._ask(lambda r: Lookup(keys=tuple(keys), reply=r))
-        hit_chunks = n_ready // self.geometry.num_groups
-        self._c["tokens_looked_up"] += n_chunks * ct - num_computed_tokens
+        hit_chunks = first + n_ready // self.geometry.num_groups
+        asked = n_chunks * ct - num_computed_tokens
         new_tokens = hit_chunks * ct - num_computed_tokens
         self.trace.lookup(
             request.request_id,
-            tokens_asked=n_chunks * ct - num_computed_tokens,
+            tokens_asked=asked,
             tokens_hit=max(new_tokens, 0),
             tokens_local=num_computed_tokens,
             start_ns=t0,
         )
-        self._c["tokens_missed"] += n_chunks * ct - max(hit_chunks * ct, num_computed_tokens)
+        # vLLM asks again while a request cannot be scheduled: the counters are taken
+        # once, when the request is admitted (update_state_after_alloc).
+        st.counts = (asked, max(new_tokens, 0))
         if new_tokens <= 0:
             st.lookup = None
             return 0, False
         st.lookup = (num_computed_tokens, hit_chunks)
-        self._c["tokens_hit"] += new_tokens
         return new_tokens, True
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         st = self._reqs.get(request.request_id)
-        if num_external_tokens == 0 or st is None:
+        if st is None:
+            return
+        if st.counts is not None:
+            asked, hit = st.counts
+            st.counts = None
+            hit = min(hit, num_external_tokens)
+            self._c["tokens_looked_up"] += asked
+            self._c["tokens_hit"] += hit
+            self._c["tokens_missed"] += asked - hit
+        if num_external_tokens == 0:
+            st.lookup = None
             return
         assert st.lookup is not None, "update_state_after_alloc without a matching lookup"
         assert st.load_job is None, "a second load for a request with one in flight"
@@ -413,8 +429,15 @@ class SchedulerSide:
 
     def kv_connector_stats(self) -> dict[str, Any] | None:
         """Counter increments since the last call, and current gauges (vLLM's stats channel)."""
-        if self._dir_dirty or self._dir_stats is None:
+        now_s = time.monotonic()
+        # The directory's gauges are for monitoring: refreshed at most every 0.5 s while
+        # jobs run, not at the price of an ask on every engine step, and once more when the
+        # last job ended (so an idle engine reports its final state).
+        if self._dir_stats is None or (
+            self._dir_dirty and (now_s - self._dir_stats_at >= 0.5 or not self._jobs)
+        ):
             self._dir_stats = self._ask(lambda r: GetStatistics(reply=r))
+            self._dir_stats_at = now_s
             self._dir_dirty = False
         d = self._dir_stats
         c = self._c
