@@ -31,9 +31,29 @@ from .traces._testing import OTLPReceiver as OTLPReceiver
 from .traces._testing import ReceivedSpan as ReceivedSpan
 from .traces._testing import decode_request as decode_request
 from .transfer import CopyJob
+from .transfer._testing import GARBAGE_BYTE as GARBAGE_BYTE
+from .transfer._testing import Fault as Fault
+from .transfer._testing import FaultyCopyEngine as FaultyCopyEngine
+from .transfer._testing import InjectedFault as InjectedFault
+from .transfer._testing import ManualCompletion as ManualCompletion
+from .transfer._testing import ManualCopyEngine as ManualCopyEngine
+from .transfer._testing import corrupt_every_load as corrupt_every_load
+from .transfer._testing import corrupt_every_store as corrupt_every_store
+from .transfer._testing import fail_every_2nd_load as fail_every_2nd_load
+from .transfer._testing import fail_every_2nd_store as fail_every_2nd_store
+from .transfer._testing import fail_every_3rd_load as fail_every_3rd_load
+from .transfer._testing import fail_every_load as fail_every_load
+from .transfer._testing import faulty_engine_factory as faulty_engine_factory
+from .transfer._testing import reject_every_2nd_load as reject_every_2nd_load
 
 TINY_LLAMA_CONFIG = Path(__file__).resolve().parent / "_assets" / "tiny-llama.json"
 """The tiny Llama (2 layers, hidden 256) that the demo, tests and benchmarks run."""
+
+
+fail_loads_and_stores = faulty_engine_factory(
+    Fault(direction="load", every=2), Fault(direction="store", every=3)
+)
+"""A ``copy_engine`` factory: every 2nd load and every 3rd store fail (after garbling)."""
 
 
 @attrs.define(eq=False)

@@ -96,8 +96,8 @@ class WorkerSide:
             engine = new_copy_engine(layout, self.pool)
 
         async def setup(system: ActorSystem) -> _Refs:
-            load = await system.spawn(LoadActor(engine), name="load")
-            store = await system.spawn(StoreActor(engine), name="store")
+            load = await system.spawn(LoadActor(engine, job_timeout_s=self.cfg.job_timeout_s), name="load")
+            store = await system.spawn(StoreActor(engine, job_timeout_s=self.cfg.job_timeout_s), name="store")
             return _Refs(store=store, load=load)
 
         self.runtime, self._refs = start_runtime(self.cfg.runtime, setup)

@@ -2,28 +2,47 @@
 
 Who sends what: the worker-side facade tells ``SubmitJob`` for each job of an engine
 step and asks ``PollFinished`` once per step; ``FlushJobs`` waits until given jobs have
-ended (before the engine reuses blocks a store still reads). Each actor owns its copy
-engine's completions for its direction; nothing else touches them.
+ended (before the engine reuses blocks a store still reads). Each actor owns its
+direction's in-flight jobs and their completions; nothing else touches them. Both
+actors may share one copy engine, which serves loads before stores and runs several
+jobs of each direction at once (see the engines).
 
-A job always ends: done, or failed with its error (a failed submission, a copy error) —
-reported as a :class:`JobResult`, never asserted.
+Every job ends, and is reported once by ``PollFinished``: a :class:`JobResult` with
+``ok=True``, or a :class:`JobFailed` naming the engine blocks it leaves invalid — for a
+rejected job (wrong direction, a job id already in flight), a failed submission, a copy
+error, or a missed deadline. Nothing is asserted.
+
+Deadlines, honestly: a job whose copy can still write is never reported, neither done
+nor failed (a failed load's blocks are recomputed at once; a failed store's slot is
+reused at once). When a job's deadline passes (checked on every poll), the actor cancels
+what the engine has not started — on the copy threads, the pieces no thread has taken —
+and reports the job failed once what had started has finished, a few milliseconds
+later. A job already fully enqueued on a CUDA stream cannot be cancelled: it is counted
+``overdue`` (and logged) and reported when its event completes, done if its copies
+succeeded. A device that never completes an event therefore leaves its job in flight,
+visible in :class:`TransferStatistics`, rather than reported failed while it might
+still write.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TypeAlias, assert_never
 
+import anyio
 import attrs
 
-from ..actors import Actor, Reply
 from .._logging import get_logger
+from ..actors import Actor, Reply
 from ._completion import CompletionBridge
-from ._copy import CopyEngine, CopyJob, Direction
+from ._copy import Cancellable, CopyEngine, CopyJob, Direction
 
 
 @attrs.frozen(kw_only=True)
 class JobResult:
+    """A job that ended: ``ok`` with the bytes it moved, or (as :class:`JobFailed`) not."""
+
     job_id: int
     direction: Direction
     ok: bool
@@ -34,40 +53,96 @@ class JobResult:
 
 
 @attrs.frozen(kw_only=True)
+class JobFailed(JobResult):
+    """A job that failed: its engine blocks ``block_ids`` hold nothing valid (a load)
+    or were not saved (a store). ``reason`` is one of ``rejected``, ``submit``,
+    ``copy``, ``deadline``."""
+
+    ok: bool = attrs.field(default=False, init=False)
+    error: str
+    block_ids: tuple[int, ...] = ()
+    reason: str = "copy"
+
+
+@attrs.frozen(kw_only=True)
+class TransferStatistics:
+    """A snapshot of one transfer actor's counters."""
+
+    direction: Direction
+    in_flight: int
+    overdue: int
+    """In flight past their deadline (cancelled where the engine can cancel)."""
+    done: int
+    failed: int
+    bytes_moved: int
+
+
+@attrs.frozen(kw_only=True)
 class SubmitJob:
     job: CopyJob
 
 
 @attrs.frozen(kw_only=True)
 class PollFinished:
-    """Answer every job that ended since the last poll."""
+    """Answer every job that ended since the last poll (and check deadlines)."""
 
     reply: Reply[list[JobResult]] = attrs.field(eq=False, repr=False)
 
 
 @attrs.frozen(kw_only=True)
 class FlushJobs:
-    """Wait until ``job_ids`` have ended (they are reported by the next poll)."""
+    """Wait until ``job_ids`` have ended (they are reported by the next poll).
+
+    Fails with :class:`TimeoutError` after ``timeout_s``.
+    """
 
     job_ids: tuple[int, ...]
     timeout_s: float
     reply: Reply[None] = attrs.field(eq=False, repr=False)
 
 
-TransferMsg: TypeAlias = SubmitJob | PollFinished | FlushJobs
+@attrs.frozen(kw_only=True)
+class GetStatistics:
+    reply: Reply[TransferStatistics] = attrs.field(eq=False, repr=False)
+
+
+TransferMsg: TypeAlias = SubmitJob | PollFinished | FlushJobs | GetStatistics
+
+
+@attrs.define(eq=False)
+class _InFlight:
+    job: CopyJob
+    started: float
+    deadline: float
+    overdue: bool = False
 
 
 class TransferActor(Actor[TransferMsg]):
-    """Submits one direction's jobs to a copy engine and reports them as they end."""
+    """Submits one direction's jobs to a copy engine and reports them as they end.
+
+    ``job_timeout_s`` is the default deadline of a job (``CopyJob.timeout_s``
+    overrides it; None: no deadline). ``clock`` is injectable for tests.
+    """
 
     mailbox_size = 1024
     direction: Direction
 
-    def __init__(self, engine: CopyEngine) -> None:
+    def __init__(
+        self,
+        engine: CopyEngine,
+        *,
+        job_timeout_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.engine = engine
+        self.job_timeout_s = job_timeout_s
         self.bridge: CompletionBridge[int] = CompletionBridge()
-        self._jobs: dict[int, tuple[CopyJob, float]] = {}
+        self._clock = clock
+        self._jobs: dict[int, _InFlight] = {}
         self._ended: list[JobResult] = []
+        self._done = 0
+        self._failed = 0
+        self._bytes = 0
         self._log = get_logger("kvferry.transfer", actor=type(self).__name__)
 
     async def handle(self, msg: TransferMsg) -> None:
@@ -79,47 +154,108 @@ class TransferActor(Actor[TransferMsg]):
                 ended, self._ended = self._ended, []
                 reply.set(ended)
             case FlushJobs(job_ids=job_ids, timeout_s=timeout_s, reply=reply):
-                with_deadline = time.perf_counter() + timeout_s
-                for job_id in job_ids:
-                    left = max(0.0, with_deadline - time.perf_counter())
-                    await self.bridge.wait(job_id, timeout=left)
+                # A real wait (a thread in synchronize), so wall time, not self._clock.
+                with anyio.fail_after(timeout_s):
+                    for job_id in job_ids:
+                        await self.bridge.wait(job_id)
                 reply.set(None)
+            case GetStatistics(reply=reply):
+                reply.set(self.statistics())
             case _:
                 assert_never(msg)
 
     def _submit(self, job: CopyJob) -> None:
-        assert job.direction == self.direction, (job.direction, self.direction)
+        if job.direction != self.direction:
+            self._fail(
+                job, 0.0, f"a {job.direction} job sent to the {self.direction} actor", "rejected"
+            )
+            return
+        if job.job_id in self._jobs:
+            self._fail(job, 0.0, f"job id {job.job_id} is already in flight", "rejected")
+            return
         try:
             completion = self.engine.submit(job)
         except Exception as exc:
             self._log.error("job_submit_failed", job_id=job.job_id, exc_info=exc)
-            self._ended.append(self._result(job, 0.0, exc))
+            self._fail(job, 0.0, repr(exc), "submit")
             return
-        self._jobs[job.job_id] = (job, time.perf_counter())
+        now = self._clock()
+        timeout = job.timeout_s if job.timeout_s is not None else self.job_timeout_s
+        deadline = now + timeout if timeout is not None else float("inf")
+        self._jobs[job.job_id] = _InFlight(job=job, started=now, deadline=deadline)
         self.bridge.add(job.job_id, completion)
 
     def _collect(self) -> None:
-        now = time.perf_counter()
+        self._check_deadlines()
+        now = self._clock()
         for job_id, error in self.bridge.poll():
-            job, t0 = self._jobs.pop(job_id)
-            if error is not None:
-                self._log.error("job_failed", job_id=job_id, error=repr(error))
-            self._ended.append(self._result(job, now - t0, error))
+            flight = self._jobs.pop(job_id)
+            seconds = now - flight.started
+            if error is None:
+                if flight.overdue:
+                    self._log.warning("job_completed_late", job_id=job_id, seconds=seconds)
+                nbytes = self.engine.job_bytes(flight.job)
+                self._done += 1
+                self._bytes += nbytes
+                self._ended.append(
+                    JobResult(
+                        job_id=job_id,
+                        direction=flight.job.direction,
+                        ok=True,
+                        nbytes=nbytes,
+                        seconds=seconds,
+                        num_blocks=flight.job.num_blocks,
+                    )
+                )
+                continue
+            reason = "deadline" if flight.overdue else "copy"
+            self._log.error("job_failed", job_id=job_id, reason=reason, error=repr(error))
+            self._fail(flight.job, seconds, repr(error), reason)
 
-    def _result(self, job: CopyJob, seconds: float, error: BaseException | None) -> JobResult:
-        return JobResult(
-            job_id=job.job_id,
-            direction=job.direction,
-            ok=error is None,
-            error=None if error is None else repr(error),
-            nbytes=0 if error is not None else self.engine.job_bytes(job),
-            seconds=seconds,
-            num_blocks=job.num_blocks,
+    def _check_deadlines(self) -> None:
+        now = self._clock()
+        for job_id, flight in self._jobs.items():
+            if flight.overdue or now < flight.deadline:
+                continue
+            flight.overdue = True
+            completion = self.bridge.get(job_id)
+            cancellable = isinstance(completion, Cancellable)
+            self._log.warning(
+                "job_deadline_exceeded",
+                job_id=job_id,
+                seconds=now - flight.started,
+                cancelled=cancellable,
+            )
+            if isinstance(completion, Cancellable):
+                completion.cancel()
+
+    def _fail(self, job: CopyJob, seconds: float, error: str, reason: str) -> None:
+        self._failed += 1
+        self._ended.append(
+            JobFailed(
+                job_id=job.job_id,
+                direction=job.direction,
+                error=error,
+                seconds=seconds,
+                num_blocks=job.num_blocks,
+                block_ids=job.block_ids,
+                reason=reason,
+            )
         )
 
     @property
     def in_flight(self) -> int:
         return len(self._jobs)
+
+    def statistics(self) -> TransferStatistics:
+        return TransferStatistics(
+            direction=self.direction,
+            in_flight=len(self._jobs),
+            overdue=sum(f.overdue for f in self._jobs.values()),
+            done=self._done,
+            failed=self._failed,
+            bytes_moved=self._bytes,
+        )
 
 
 class StoreActor(TransferActor):

@@ -1,15 +1,24 @@
-"""The completion bridge: turns a :class:`Completion` (a CUDA event, a copy thread's
-future) into something the actors can wait on, without the engine ever waiting.
+"""The completion bridge: turns a :class:`Completion` (a CUDA event, a copy-thread job)
+into something the actors can wait on, without the engine thread ever waiting.
 
-Two strategies, one interface:
+Two strategies, one bridge:
 
 - *poll*: :meth:`CompletionBridge.poll` queries every pending completion (never blocks)
-  and resolves the ones that ended. The facade polls once per engine step, so a job
-  submitted in step N is seen done in the first step after it ended.
-- *thread*: :meth:`CompletionBridge.wait` hands a completion to a worker thread that
+  and returns the ones that ended. The facade polls once per engine step, so a job
+  submitted in step N is seen ended in the first step after it ended.
+  :meth:`CompletionBridge.wait_polled` waits until a poll has seen a token end; given an
+  ``interval`` it runs the polls itself (``anyio.sleep`` between them, and only while
+  it waits, so an idle runtime never spins).
+- *thread*: :meth:`CompletionBridge.wait` hands one completion to a worker thread that
   blocks in ``synchronize()`` (CUDA events are created ``blocking=True``, so it sleeps).
 
-Who owns what: a bridge belongs to one actor and is used on the event loop only.
+Completions may end in any order (several copy threads, two streams): every pending one
+is queried, not only the oldest. A completion whose ``query()`` raises has ended with
+that error. Ended completions are kept, in the order they were seen, until the next
+:meth:`poll` returns them: whoever waited, the owner's poll still reports every one.
+
+Who owns what: a bridge belongs to one actor and is used on the event loop only; only
+``synchronize`` runs in a worker thread, and it touches no bridge state.
 """
 
 from __future__ import annotations
@@ -26,53 +35,77 @@ K = TypeVar("K", bound=Hashable)
 
 
 class CompletionBridge(Generic[K]):
-    """Pending completions by token; ``poll`` returns the ones that ended, in order."""
+    """Pending completions by token; :meth:`poll` returns the ones that ended, in order."""
 
     def __init__(self) -> None:
         self._pending: dict[K, Completion] = {}
+        self._ended: list[tuple[K, BaseException | None]] = []
         self._waiters: dict[K, anyio.Event] = {}
 
     def __len__(self) -> int:
+        """Completions not yet seen ended."""
         return len(self._pending)
 
     def __contains__(self, token: object) -> bool:
         return token in self._pending
 
     def add(self, token: K, completion: Completion) -> None:
-        assert token not in self._pending, token
+        """Track ``completion``; raises :class:`KeyError` if ``token`` is already pending."""
+        if token in self._pending:
+            raise KeyError(f"completion {token!r} is already pending")
         self._pending[token] = completion
 
-    def poll(self) -> list[tuple[K, BaseException | None]]:
-        """Every completion that has ended, with its error (None if it succeeded).
+    def get(self, token: K) -> Completion | None:
+        return self._pending.get(token)
 
-        All pending completions are queried, not only the oldest: jobs of several copy
-        threads (or streams) may end out of order.
-        """
-        ended = [(t, c) for t, c in self._pending.items() if c.query()]
-        results = []
-        for token, completion in ended:
+    def _sweep(self) -> None:
+        for token, completion in list(self._pending.items()):
+            error: BaseException | None
+            try:
+                ended = completion.query()
+                error = completion.exception() if ended else None
+            except Exception as exc:
+                ended, error = True, exc
+            if not ended:
+                continue
             del self._pending[token]
-            results.append((token, completion.exception()))
+            self._ended.append((token, error))
             waiter = self._waiters.pop(token, None)
             if waiter is not None:
                 waiter.set()
-        return results
 
-    async def wait(self, token: K, *, timeout: float | None = None) -> None:
-        """Wait (in a worker thread, *thread* strategy) until ``token``'s completion ended.
+    def poll(self) -> list[tuple[K, BaseException | None]]:
+        """Every completion that has ended since the last poll, with its error (None if
+        it succeeded), in the order they were seen ended. Never blocks."""
+        self._sweep()
+        ended, self._ended = self._ended, []
+        return ended
 
-        Does not consume it: the next :meth:`poll` reports it. Raises :class:`TimeoutError`
-        after ``timeout`` seconds.
+    async def wait(self, token: K) -> None:
+        """*Thread* strategy: wait in a worker thread until ``token``'s completion ended.
+
+        Does not consume it: the next :meth:`poll` reports it. Returns at once for a
+        token that is not pending. Bound it with ``anyio.fail_after``: on cancellation
+        the thread is abandoned (it ends with the completion).
         """
         completion = self._pending.get(token)
         if completion is None or completion.query():
             return
-        with anyio.fail_after(timeout if timeout is not None else float("inf")):
-            await anyio.to_thread.run_sync(completion.synchronize, abandon_on_cancel=True)
+        await anyio.to_thread.run_sync(completion.synchronize, abandon_on_cancel=True)
 
-    async def wait_polled(self, token: K) -> None:
-        """Wait until a later :meth:`poll` (run by someone else) reports ``token`` (*poll* strategy)."""
+    async def wait_polled(self, token: K, *, interval: float | None = None) -> None:
+        """*Poll* strategy: wait until a sweep has seen ``token``'s completion end.
+
+        Without ``interval``, someone else's :meth:`poll` must run; with it, this
+        coroutine sweeps every ``interval`` seconds. Does not consume the result.
+        """
         if token not in self._pending:
             return
         event = self._waiters.setdefault(token, anyio.Event())
-        await event.wait()
+        if interval is None:
+            await event.wait()
+            return
+        while not event.is_set():
+            self._sweep()
+            if not event.is_set():
+                await anyio.sleep(interval)

@@ -1,31 +1,46 @@
-"""Copy jobs and the copy engines that run them.
+"""Copy jobs and the interface of the copy engines that run them.
 
 A :class:`CopyJob` moves engine blocks between the engine's KV tensors (described by a
-:class:`~kvferry.transfer.KVLayout`) and host rows of the :class:`HostPool`. A copy
-engine's ``submit`` starts a job and returns a :class:`Completion`, which the completion
-bridge turns into an awaitable. :class:`ThreadCopyEngine` is the CPU path: one copy
-thread per direction (torch copies release the GIL), so both directions move at once and
-the jobs of one direction finish in order. The CUDA path is in ``_cuda.py``.
+:class:`~kvferry.transfer.KVLayout`) and host rows of the
+:class:`~kvferry.transfer.HostPool`. A copy engine's ``submit`` starts a job and returns
+a :class:`Completion`, which the completion bridge turns into an awaitable. Engines:
+
+- :class:`~kvferry.transfer.ThreadCopyEngine` (``_threads.py``): the CPU path, a pool of
+  copy threads running batched copy plans, loads before stores;
+- :class:`~kvferry.transfer.CudaCopyEngine` (``_cuda.py``): a side stream per direction,
+  pinned host memory, an event per job.
+
+The contract every engine keeps: a job's completion ends only when nothing of that job
+can still write (a failed or cancelled load may be recomputed into the same blocks as
+soon as it is reported; a failed store's host slot is reused as soon as it is reported).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import time
-from typing import Literal, Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 import attrs
 import numpy as np
 import numpy.typing as npt
+import torch
 
+from .._errors import TransferError
+from ._kernel import batch_kernel
 from ._layout import KVLayout
+from ._plan import check_job, plan_job
 from ._pool import HostPool
 
 Direction = Literal["store", "load"]
 
 
+class JobCancelled(TransferError):
+    """A job was stopped before all of it was copied (its deadline passed, or the
+    engine closed); what it wrote is incomplete."""
+
+
 def _i64(a: npt.ArrayLike) -> npt.NDArray[np.int64]:
-    view = np.ascontiguousarray(a, dtype=np.int64).view()
+    view = np.ascontiguousarray(a, dtype=np.int64).reshape(-1).view()
     view.flags.writeable = False
     return view
 
@@ -45,17 +60,31 @@ class GroupBlocks:
 
 @attrs.frozen(kw_only=True)
 class CopyJob:
+    """One transfer: every pair of every part moves in ``direction``.
+
+    ``timeout_s`` overrides the actor's default deadline for this job.
+    """
+
     job_id: int
     direction: Direction
     parts: tuple[GroupBlocks, ...]
+    timeout_s: float | None = None
 
     @property
     def num_blocks(self) -> int:
         return sum(len(p.device_blocks) for p in self.parts)
 
+    @property
+    def block_ids(self) -> tuple[int, ...]:
+        """The engine blocks the job touches, sorted, each once."""
+        if not self.parts:
+            return ()
+        blocks = np.unique(np.concatenate([p.device_blocks for p in self.parts]))
+        return tuple(int(b) for b in blocks)
+
 
 class Completion(Protocol):
-    """What the completion bridge needs of a running job (a CUDA event, a thread future)."""
+    """What the completion bridge needs of a running job (a CUDA event, a thread job)."""
 
     def query(self) -> bool:
         """True once the job has ended (done or failed); never blocks."""
@@ -67,7 +96,19 @@ class Completion(Protocol):
         """The job's error once it has ended, else None."""
 
 
+@runtime_checkable
+class Cancellable(Protocol):
+    """A completion whose not-yet-started work can be dropped."""
+
+    def cancel(self) -> None:
+        """Drop what has not started. The completion still ends only once what had
+        started has finished, with :class:`JobCancelled` if anything was dropped."""
+
+
 class CopyEngine(Protocol):
+    """Runs jobs. ``submit`` is called from one thread (the transfer actors' loop);
+    it raises only when nothing of the job was started."""
+
     def submit(self, job: CopyJob) -> Completion: ...
 
     def job_bytes(self, job: CopyJob) -> int: ...
@@ -75,42 +116,13 @@ class CopyEngine(Protocol):
     def close(self) -> None: ...
 
 
-def _runs(dev: npt.NDArray[np.int64], rows: npt.NDArray[np.int64]) -> list[tuple[int, int, int]]:
-    """Split block pairs into maximal runs where both sides are consecutive: (dev, row, n)."""
-    if len(dev) == 0:
-        return []
-    breaks = np.flatnonzero((np.diff(dev) != 1) | (np.diff(rows) != 1)) + 1
-    starts = np.concatenate(([0], breaks))
-    ends = np.concatenate((breaks, [len(dev)]))
-    return [(int(dev[s]), int(rows[s]), int(e - s)) for s, e in zip(starts, ends, strict=True)]
-
-
-def copy_job(layout: KVLayout, pool: HostPool, job: CopyJob, *, non_blocking: bool = False) -> int:
-    """Run ``job`` with torch copies (on the current stream, on CUDA); returns bytes moved."""
-    nbytes = 0
-    rows_t = pool.rows
-    num_rows = rows_t.shape[0]
-    for part in job.parts:
-        group = layout.groups[part.group]
-        if len(part.host_rows) and (part.host_rows.min() < 0 or part.host_rows.max() >= num_rows):
-            raise IndexError(f"job {job.job_id}: host rows outside the pool (0..{num_rows - 1})")
-        dev_blocks = part.device_blocks
-        if len(dev_blocks) and (dev_blocks.min() < 0 or dev_blocks.max() >= layout.num_blocks):
-            raise IndexError(f"job {job.job_id}: device blocks outside 0..{layout.num_blocks - 1}")
-        for d0, r0, n in _runs(part.device_blocks, part.host_rows):
-            for seg in group.segments:
-                dev = seg.view[d0 : d0 + n]
-                host = rows_t[r0 : r0 + n, seg.offset : seg.offset + seg.nbytes]
-                if job.direction == "store":
-                    host.copy_(dev, non_blocking=non_blocking)
-                else:
-                    dev.copy_(host, non_blocking=non_blocking)
-                nbytes += n * seg.nbytes
-    return nbytes
+def job_bytes(layout: KVLayout, job: CopyJob) -> int:
+    """Bytes ``job`` moves (every pair, the row bytes of its group)."""
+    return sum(len(p.device_blocks) * layout.groups[p.group].row_bytes for p in job.parts)
 
 
 class FutureCompletion:
-    """A :class:`Completion` over a thread's ``concurrent.futures.Future``."""
+    """A :class:`Completion` over a ``concurrent.futures.Future``."""
 
     __slots__ = ("_future",)
 
@@ -129,41 +141,48 @@ class FutureCompletion:
         return self._future.exception()
 
 
-class ThreadCopyEngine:
-    """The CPU path: one copy thread per direction."""
+def copy_job(layout: KVLayout, pool: HostPool, job: CopyJob, *, non_blocking: bool = False) -> int:
+    """Run ``job`` now, on the calling thread; returns the bytes moved.
 
-    def __init__(self, layout: KVLayout, pool: HostPool) -> None:
-        self.layout = layout
-        self.pool = pool
-        self._threads = {
-            "store": concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvferry-store"),
-            "load": concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvferry-load"),
-        }
+    On the CPU the copies are done when it returns. On CUDA they are enqueued on the
+    current stream (and done when it returns unless ``non_blocking``).
+    """
+    check_job(layout, job, pool.rows.shape[0], pool.row_bytes)
+    if layout.device.type == "cpu":
+        _, kernel = batch_kernel()
+        plan = plan_job(layout, job, pool.rows.data_ptr(), pool.rows.stride(0))
+        kernel(plan.dsts, plan.srcs, plan.sizes)
+        return plan.nbytes
+    from ._torchcopy import torch_copy_job
 
-    def job_bytes(self, job: CopyJob) -> int:
-        return sum(
-            len(p.device_blocks) * self.layout.groups[p.group].row_bytes for p in job.parts
-        )
-
-    def _run(self, job: CopyJob) -> float:
-        t0 = time.perf_counter()
-        copy_job(self.layout, self.pool, job)
-        return time.perf_counter() - t0
-
-    def submit(self, job: CopyJob) -> Completion:
-        return FutureCompletion(self._threads[job.direction].submit(self._run, job))
-
-    def close(self) -> None:
-        for pool in self._threads.values():
-            pool.shutdown(wait=True)
+    staging = torch.empty(
+        (max(job.num_blocks, 1), pool.row_bytes), dtype=torch.uint8, device=layout.device
+    )
+    torch_copy_job(layout, pool.rows, job, staging, non_blocking=non_blocking)
+    return job_bytes(layout, job)
 
 
-def new_copy_engine(layout: KVLayout, pool: HostPool) -> CopyEngine:
-    """The copy engine for the layout's device: CUDA streams + events, or copy threads."""
+def new_copy_engine(
+    layout: KVLayout,
+    pool: HostPool,
+    *,
+    num_threads: int | None = None,
+    piece_bytes: int | None = None,
+    staging_bytes: int | None = None,
+) -> CopyEngine:
+    """The copy engine for the layout's device: CUDA streams + events, or copy threads.
+
+    ``num_threads`` and ``piece_bytes`` tune the CPU engine, ``staging_bytes`` the CUDA
+    one (device memory it keeps per direction); ``None`` takes each engine's default.
+    """
     if layout.device.type == "cuda":
         from ._cuda import CudaCopyEngine
 
-        return CudaCopyEngine(layout, pool)
-    return ThreadCopyEngine(layout, pool)
+        if staging_bytes is None:
+            return CudaCopyEngine(layout, pool)
+        return CudaCopyEngine(layout, pool, staging_bytes=staging_bytes)
+    from ._threads import DEFAULT_PIECE_BYTES, ThreadCopyEngine
 
-
+    return ThreadCopyEngine(
+        layout, pool, num_threads=num_threads, piece_bytes=piece_bytes or DEFAULT_PIECE_BYTES
+    )

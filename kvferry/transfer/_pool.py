@@ -1,8 +1,14 @@
 """The host pool: host memory for the host tier, allocated once, up front.
 
-Rows of ``row_bytes``; a slot (one offloaded block) is ``blocks_per_chunk`` consecutive
-rows. Pages are touched at allocation so the memory is really there (and the error comes
-at start, not at the first store); on CUDA the pool is pinned.
+Rows of ``row_bytes``; a row holds one engine block of one KV-cache group, every layer
+back to back (see :mod:`._layout`), and a slot (one offloaded chunk) is
+``blocks_per_chunk`` consecutive rows, so all layers of a chunk lie contiguously. Pages
+are touched at allocation so the memory is really there (and the error comes at start,
+not at the first store); on CUDA the pool is pinned, so copies to and from it are
+``non_blocking`` DMA.
+
+Who owns what: the pool's bytes are written only by the copy engine (its threads or its
+streams) for the rows of jobs in flight, and by nothing else while such a job runs.
 """
 
 from __future__ import annotations
@@ -40,7 +46,9 @@ class HostPool:
             )
             rows.fill_(0)  # touch every page now
         except RuntimeError as exc:
-            raise HostMemoryError(f"could not allocate a host pool of {nbytes} bytes: {exc}") from exc
+            raise HostMemoryError(
+                f"could not allocate a host pool of {nbytes} bytes: {exc}"
+            ) from exc
         self.rows = rows
 
     @property

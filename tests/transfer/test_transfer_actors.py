@@ -1,4 +1,5 @@
-"""Store/Load actors over the completion bridge, driven with fake CUDA events."""
+"""Store/Load actors over the completion bridge, driven with completions fired by hand;
+the CUDA engine's ordering with fake streams and events."""
 
 from __future__ import annotations
 
@@ -11,19 +12,44 @@ from kvferry.testing import FakeCopyEngine, FakeCudaEvent, FakeStream, fake_use_
 from kvferry.transfer import (
     CompletionBridge,
     CopyJob,
+    CudaCopyEngine,
+    FlushJobs,
+    GetStatistics,
     GroupBlocks,
     HostPool,
+    JobFailed,
+    JobResult,
     LoadActor,
     PollFinished,
     StoreActor,
     SubmitJob,
     describe_kv_caches,
 )
-from kvferry.transfer._cuda import CudaCopyEngine
+from kvferry.transfer._testing import ManualCompletion, ManualCopyEngine
 
 
-def job(job_id: int, direction: str = "store") -> CopyJob:
-    return CopyJob(job_id=job_id, direction=direction, parts=(GroupBlocks(group=0, device_blocks=[job_id], host_rows=[job_id]),))  # type: ignore[arg-type]
+def job(
+    job_id: int,
+    direction: str = "store",
+    blocks: tuple[int, ...] | None = None,
+    timeout_s: float | None = None,
+) -> CopyJob:
+    blocks = blocks or (job_id,)
+    part = GroupBlocks(group=0, device_blocks=list(blocks), host_rows=list(blocks))
+    return CopyJob(job_id=job_id, direction=direction, parts=(part,), timeout_s=timeout_s)  # type: ignore[arg-type]
+
+
+class Clock:
+    """A clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# ----------------------------------------------------------------- the bridge
 
 
 def test_bridge_reports_completions_out_of_order() -> None:
@@ -41,6 +67,94 @@ def test_bridge_reports_completions_out_of_order() -> None:
     assert len(bridge) == 0
 
 
+def test_bridge_treats_a_query_that_raises_as_a_failed_end() -> None:
+    class Broken(FakeCudaEvent):
+        def query(self) -> bool:
+            raise RuntimeError("CUDA error: an illegal memory access")
+
+    bridge: CompletionBridge[int] = CompletionBridge()
+    bridge.add(1, Broken())
+    [(token, error)] = bridge.poll()
+    assert token == 1 and "illegal memory access" in str(error)
+
+
+def test_bridge_refuses_a_token_already_pending() -> None:
+    bridge: CompletionBridge[int] = CompletionBridge()
+    bridge.add(1, FakeCudaEvent())
+    with pytest.raises(KeyError):
+        bridge.add(1, FakeCudaEvent())
+
+
+@pytest.mark.anyio
+async def test_bridge_waiter_thread_returns_when_the_completion_ends() -> None:
+    bridge: CompletionBridge[int] = CompletionBridge()
+    first, second = ManualCompletion(), ManualCompletion()
+    bridge.add(1, first)
+    bridge.add(2, second)
+    done: list[int] = []
+
+    async def waiter(token: int) -> None:
+        await bridge.wait(token)
+        done.append(token)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(waiter, 1)
+        tg.start_soon(waiter, 2)
+        await anyio.wait_all_tasks_blocked()
+        assert done == []
+        second.fire()  # out of order, from this thread: the waiter thread wakes
+        first.fire(RuntimeError("dma"))
+    assert sorted(done) == [1, 2]
+    assert [t for t, _ in bridge.poll()] == [1, 2]  # waiting consumed nothing
+
+
+@pytest.mark.anyio
+async def test_bridge_waiter_thread_times_out() -> None:
+    bridge: CompletionBridge[int] = CompletionBridge()
+    completion = ManualCompletion()
+    bridge.add(1, completion)
+    with pytest.raises(TimeoutError), anyio.fail_after(0):
+        await bridge.wait(1)
+    completion.fire()  # lets the abandoned thread end
+
+
+@pytest.mark.anyio
+async def test_bridge_poller_resolves_waiters_and_keeps_results_for_poll() -> None:
+    bridge: CompletionBridge[int] = CompletionBridge()
+    a, b = FakeCudaEvent(), FakeCudaEvent()
+    bridge.add(1, a)
+    bridge.add(2, b)
+    woke: list[int] = []
+
+    async def waiter(token: int) -> None:
+        await bridge.wait_polled(token)
+        woke.append(token)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(waiter, 1)
+        tg.start_soon(waiter, 2)
+        await anyio.wait_all_tasks_blocked()
+        b.fire()
+        a.fire(RuntimeError("x"))
+        results = bridge.poll()
+    assert [t for t, _ in results] == [1, 2] and sorted(woke) == [1, 2]
+
+
+@pytest.mark.anyio
+async def test_bridge_poller_with_an_interval_polls_by_itself() -> None:
+    bridge: CompletionBridge[int] = CompletionBridge()
+    event = FakeCudaEvent()
+    bridge.add(1, event)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lambda: bridge.wait_polled(1, interval=0.001))
+        await anyio.wait_all_tasks_blocked()
+        event.fire()
+    assert bridge.poll() == [(1, None)]
+
+
+# ----------------------------------------------------------------- the actors
+
+
 @pytest.mark.anyio
 async def test_a_store_ends_only_after_its_event_fires() -> None:
     engine = FakeCopyEngine()
@@ -55,19 +169,112 @@ async def test_a_store_ends_only_after_its_event_fires() -> None:
         results = await store.ask(PollFinished)
         assert [(r.job_id, r.ok) for r in results] == [(2, True)]
         engine.event_for(1).fire(RuntimeError("dma error"))
-        results = await store.ask(PollFinished)
-        assert [(r.job_id, r.ok) for r in results] == [(1, False)]
-        assert "dma error" in (results[0].error or "")
+        [failed] = await store.ask(PollFinished)
+        assert isinstance(failed, JobFailed) and failed.job_id == 1 and not failed.ok
+        assert "dma error" in failed.error and failed.reason == "copy" and failed.block_ids == (1,)
 
 
 @pytest.mark.anyio
-async def test_a_failed_submission_is_reported_not_raised() -> None:
+async def test_a_failed_submission_is_reported_with_its_blocks() -> None:
     engine = FakeCopyEngine(fail_submit=True)
     async with ActorSystem() as system:
         load = await system.spawn(LoadActor(engine))
-        await load.tell(SubmitJob(job=job(7, "load")))
-        results = await load.ask(PollFinished)
-        assert [(r.job_id, r.ok, r.direction) for r in results] == [(7, False, "load")]
+        await load.tell(SubmitJob(job=job(7, "load", blocks=(5, 3, 5))))
+        [result] = await load.ask(PollFinished)
+        assert isinstance(result, JobFailed) and isinstance(result, JobResult)
+        assert (result.job_id, result.direction, result.reason) == (7, "load", "submit")
+        assert result.block_ids == (3, 5)
+
+
+@pytest.mark.anyio
+async def test_a_job_of_the_other_direction_is_rejected_not_asserted() -> None:
+    engine = FakeCopyEngine()
+    async with ActorSystem() as system:
+        load = await system.spawn(LoadActor(engine))
+        await load.tell(SubmitJob(job=job(1, "store")))
+        [result] = await load.ask(PollFinished)
+        assert isinstance(result, JobFailed) and result.reason == "rejected"
+        assert engine.submitted == []
+
+
+@pytest.mark.anyio
+async def test_a_job_id_already_in_flight_is_rejected() -> None:
+    engine = FakeCopyEngine()
+    async with ActorSystem() as system:
+        store = await system.spawn(StoreActor(engine))
+        await store.tell(SubmitJob(job=job(1)))
+        await store.tell(SubmitJob(job=job(1)))
+        [result] = await store.ask(PollFinished)
+        assert isinstance(result, JobFailed) and result.reason == "rejected"
+        engine.event_for(1).fire()
+        [done] = await store.ask(PollFinished)
+        assert done.ok
+
+
+@pytest.mark.anyio
+async def test_past_its_deadline_a_job_is_cancelled_and_reported_failed_once_it_stopped() -> None:
+    engine, clock = ManualCopyEngine(), Clock()
+    async with ActorSystem() as system:
+        load = await system.spawn(LoadActor(engine, job_timeout_s=5.0, clock=clock))
+        await load.tell(SubmitJob(job=job(1, "load", blocks=(4, 2))))
+        await load.tell(SubmitJob(job=job(2, "load", timeout_s=60.0)))
+        await anyio.wait_all_tasks_blocked()  # submitted at clock.now
+        clock.now += 6.0
+        assert await load.ask(PollFinished) == []  # cancelled, but a piece still copies
+        assert engine.completions[1].cancelled and not engine.completions[2].cancelled
+        stats = await load.ask(GetStatistics)
+        assert (stats.in_flight, stats.overdue) == (2, 1)
+        engine.completions[1].fire(RuntimeError("dropped pieces"))  # the running piece ended
+        [failed] = await load.ask(PollFinished)
+        assert isinstance(failed, JobFailed)
+        assert (failed.job_id, failed.reason, failed.block_ids) == (1, "deadline", (2, 4))
+
+
+@pytest.mark.anyio
+async def test_a_job_that_cannot_be_cancelled_stays_in_flight_until_it_really_ends() -> None:
+    engine, clock = FakeCopyEngine(), Clock()  # CUDA-like: events cannot be cancelled
+    async with ActorSystem() as system:
+        load = await system.spawn(LoadActor(engine, job_timeout_s=1.0, clock=clock))
+        await load.tell(SubmitJob(job=job(1, "load")))
+        await anyio.wait_all_tasks_blocked()
+        clock.now += 10.0
+        assert await load.ask(PollFinished) == []
+        assert (await load.ask(GetStatistics)).overdue == 1
+        engine.event_for(1).fire()
+        [late] = await load.ask(PollFinished)
+        assert late.ok  # its copy finished: the blocks are valid
+        stats = await load.ask(GetStatistics)
+        assert (stats.in_flight, stats.overdue, stats.done) == (0, 0, 1)
+
+
+@pytest.mark.anyio
+async def test_flush_waits_for_the_jobs_and_leaves_them_to_the_poll() -> None:
+    engine = ManualCopyEngine()
+    async with ActorSystem() as system:
+        store = await system.spawn(StoreActor(engine))
+        await store.tell(SubmitJob(job=job(1)))
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(
+                lambda: store.ask(lambda r: FlushJobs(job_ids=(1, 99), timeout_s=30.0, reply=r))
+            )
+            await anyio.wait_all_tasks_blocked()
+            engine.completions[1].fire()
+        [result] = await store.ask(PollFinished)
+        assert result.job_id == 1 and result.ok
+
+
+@pytest.mark.anyio
+async def test_flush_fails_with_a_timeout_when_a_job_does_not_end() -> None:
+    engine = ManualCopyEngine()
+    async with ActorSystem() as system:
+        store = await system.spawn(StoreActor(engine))
+        await store.tell(SubmitJob(job=job(1)))
+        with pytest.raises(TimeoutError):
+            await store.ask(lambda r: FlushJobs(job_ids=(1,), timeout_s=0.0, reply=r))
+        engine.completions[1].fire()
+
+
+# ----------------------------------------------------------------- CUDA ordering
 
 
 def test_cuda_path_orders_after_compute_and_ends_with_an_event() -> None:
@@ -75,26 +282,108 @@ def test_cuda_path_orders_after_compute_and_ends_with_an_event() -> None:
     layout = describe_kv_caches(kv, [["l0"]], 4)
     pool = HostPool(num_slots=4, blocks_per_chunk=1, row_bytes=layout.row_bytes)
     compute = object()
-    streams: list[FakeStream] = []
+    streams: dict[str, FakeStream] = {}
     events: list[FakeCudaEvent] = []
+    entered: list[object] = []
 
-    def new_stream() -> FakeStream:
-        streams.append(FakeStream())
-        return streams[-1]
+    def new_stream(direction: str) -> FakeStream:
+        streams[direction] = FakeStream()
+        return streams[direction]
+
+    def new_event() -> FakeCudaEvent:
+        events.append(FakeCudaEvent())
+        return events[-1]
+
+    def use_stream(stream: object) -> object:
+        entered.append(stream)
+        return fake_use_stream(stream)
+
+    engine = CudaCopyEngine(
+        layout,
+        pool,
+        stream_factory=new_stream,
+        event_factory=new_event,
+        current_stream=lambda: compute,
+        use_stream=use_stream,
+    )
+    completion = engine.submit(
+        CopyJob(
+            job_id=1,
+            direction="store",
+            parts=(GroupBlocks(group=0, device_blocks=[2], host_rows=[0]),),
+        )
+    )
+    assert streams["store"].waited_on == [compute]  # ordered after the compute stream
+    assert entered == [streams["store"]]  # the copies were enqueued on the side stream
+    assert events[0].recorded_on is streams["store"]
+    assert not completion.query()
+    events[0].fire()
+    assert completion.query() and completion.exception() is None
+    assert torch.equal(pool.rows[0].view(torch.float32), kv["l0"][2])
+    engine.submit(
+        CopyJob(
+            job_id=2,
+            direction="load",
+            parts=(GroupBlocks(group=0, device_blocks=[3], host_rows=[0]),),
+        )
+    )
+    assert streams["load"].waited_on == [compute] and events[1].recorded_on is streams["load"]
+
+
+def test_cuda_job_failing_half_way_ends_only_after_what_was_enqueued() -> None:
+    kv = {"l0": torch.zeros(4, 64)}
+    layout = describe_kv_caches(kv, [["l0"]], 4)
+    pool = HostPool(num_slots=4, blocks_per_chunk=1, row_bytes=layout.row_bytes)
+    events: list[FakeCudaEvent] = []
 
     def new_event() -> FakeCudaEvent:
         events.append(FakeCudaEvent())
         return events[-1]
 
     engine = CudaCopyEngine(
-        layout, pool, stream_factory=new_stream, event_factory=new_event,
-        current_stream=lambda: compute, use_stream=fake_use_stream,
+        layout,
+        pool,
+        stream_factory=lambda d: FakeStream(),
+        event_factory=new_event,
+        current_stream=object,
+        use_stream=fake_use_stream,
     )
-    completion = engine.submit(CopyJob(job_id=1, direction="store", parts=(GroupBlocks(group=0, device_blocks=[2], host_rows=[0]),)))
-    store_stream = streams[0]
-    assert store_stream.waited_on == [compute]  # ordered after the compute stream
-    assert events[0].recorded_on is store_stream
-    assert not completion.query()
+
+    def out_of_memory(direction: str) -> torch.Tensor:
+        raise RuntimeError("CUDA OOM")
+
+    engine._staging_for = out_of_memory  # type: ignore[method-assign]
+    completion = engine.submit(
+        CopyJob(
+            job_id=1,
+            direction="load",
+            parts=(GroupBlocks(group=0, device_blocks=[1], host_rows=[1]),),
+        )
+    )
+    assert not completion.query()  # an event was still recorded after the partial work
     events[0].fire()
-    assert completion.query()
-    assert torch.equal(pool.rows[0].view(torch.float32), kv["l0"][2])
+    assert completion.query() and "CUDA OOM" in repr(completion.exception())
+
+
+def test_cuda_submit_of_a_bad_job_raises_and_enqueues_nothing() -> None:
+    kv = {"l0": torch.zeros(4, 64)}
+    layout = describe_kv_caches(kv, [["l0"]], 4)
+    pool = HostPool(num_slots=4, blocks_per_chunk=1, row_bytes=layout.row_bytes)
+    stream = FakeStream()
+    engine = CudaCopyEngine(
+        layout,
+        pool,
+        stream_factory=lambda d: stream,
+        event_factory=FakeCudaEvent,
+        current_stream=object,
+        use_stream=fake_use_stream,
+    )
+    with pytest.raises(IndexError):
+        engine.submit(
+            CopyJob(
+                job_id=1,
+                direction="load",
+                parts=(GroupBlocks(group=0, device_blocks=[9], host_rows=[0]),),
+            )
+        )
+    assert stream.waited_on == []
