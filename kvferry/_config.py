@@ -76,6 +76,14 @@ class FerryConfig:
     """What vLLM does with a request whose load failed: recompute its blocks, or fail it."""
     copy_engine: str | None = None
     """Import path ``"package.module:factory"`` of a copy engine factory(layout, pool)."""
+    eviction_policy: str = "lru"
+    """"lru", "arc", "s3fifo", or a user policy ``"package.module:Class"``."""
+    eviction_watermarks: tuple[float, float] = (0.97, 0.99)
+    """(low, high) occupancy between which the evictor keeps the host tier."""
+    store_threshold: int = 1
+    """Store a block only once it was offered this many times (1: store at once)."""
+    store_threshold_tracker_size: int = 64_000
+    """How many not-yet-admitted keys the admission filter remembers."""
     traces: Mapping[str, Any] | None = None
     """OpenTelemetry traces (see docs/tracing.md); off unless set or asked by ``OTEL_*``."""
 
@@ -86,6 +94,10 @@ class FerryConfig:
         "job_timeout_s",
         "on_load_failure",
         "copy_engine",
+        "eviction_policy",
+        "eviction_watermarks",
+        "store_threshold",
+        "store_threshold_tracker_size",
         "traces",
     )
 
@@ -126,6 +138,15 @@ class FerryConfig:
         copy_engine = extra.get("copy_engine")
         if copy_engine is not None:
             load_object("copy_engine", copy_engine)
+        from .cache import check_store_threshold, check_watermarks, make_policy
+
+        policy = extra.get("eviction_policy", "lru")
+        if not isinstance(policy, str):
+            raise ConfigError("eviction_policy", f"must be a name or an import path, got {policy!r}")
+        make_policy(policy, 1)  # raises a ConfigError naming eviction_policy
+        watermarks = check_watermarks(extra.get("eviction_watermarks", (0.97, 0.99)))
+        threshold = check_store_threshold(extra.get("store_threshold", 1))
+        tracker = _positive_int("store_threshold_tracker_size", extra.get("store_threshold_tracker_size", 64_000))
         traces = extra.get("traces")
         if traces is not None:
             from .traces import resolve_config
@@ -135,6 +156,10 @@ class FerryConfig:
             resolve_config(traces)  # raises a ConfigError naming the bad traces.<key>
         return cls(
             cpu_bytes_to_use=cpu_bytes,
+            eviction_policy=policy,
+            eviction_watermarks=watermarks,
+            store_threshold=threshold,
+            store_threshold_tracker_size=tracker,
             traces=traces,
             block_size=block_size,
             runtime=runtime,

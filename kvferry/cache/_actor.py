@@ -1,92 +1,85 @@
-"""DirectoryActor: the single owner of the host tier's :class:`Directory`.
+"""The host tier's actors: DirectoryActor, EvictorActor, PublisherActor.
 
-Who sends what: the scheduler-side facade asks ``Lookup`` / ``PrepareLoad`` /
-``PrepareStore`` on the engine thread's calls and tells ``CompleteLoad`` /
-``CompleteStore`` when the workers report a job done. Nothing else touches the directory.
+Who owns what:
+
+- :class:`DirectoryActor` owns the :class:`~kvferry.cache.Directory` (keys, slots, pins,
+  the policy, admission). The scheduler-side facade asks ``Lookup`` / ``PrepareLoad`` /
+  ``PrepareStore`` on the engine thread's calls and tells ``CompleteLoad`` /
+  ``CompleteStore`` / ``Touch`` when jobs and requests end. Nothing else touches the
+  directory; its state is the truth and is kept across restarts.
+- :class:`EvictorActor` owns only its pacing. Told ``RoomLow`` by the directory when a
+  store pushed occupancy past the high watermark, it asks the directory to ``EvictSome``
+  — a message queued behind those already waiting, so lookups and stores in the mailbox
+  are answered first and a store rarely has to evict inline.
+- :class:`PublisherActor` owns the pending KV events. The directory tells it what each
+  message changed; ``TakeEvents`` (to the directory, so that it follows every earlier
+  message) drains it once per engine step.
+
+:func:`spawn_host_tier` starts the three, wired. ``DirectoryActor(num_slots)`` alone
+still works: no events, and eviction happens inline in batches.
 """
 
 from __future__ import annotations
 
-from typing import TypeAlias
-
-import attrs
-import numpy as np
-import numpy.typing as npt
 from typing import assert_never
 
-from ..actors import Actor, Reply
-from ._directory import Directory, DirectoryStatistics, Key
+import anyio
+import attrs
 
-
-def _i64(a: npt.ArrayLike) -> npt.NDArray[np.int64]:
-    view = np.asarray(a, dtype=np.int64).view()
-    view.flags.writeable = False
-    return view
-
-
-@attrs.frozen(kw_only=True)
-class Lookup:
-    """How many leading keys are stored and ready."""
-
-    keys: tuple[Key, ...]
-    reply: Reply[int] = attrs.field(eq=False, repr=False)
-
-
-@attrs.frozen(kw_only=True)
-class PrepareLoad:
-    """Pin the slots of ``keys`` for a load; answers their slots, or None if any is not ready."""
-
-    keys: tuple[Key, ...]
-    reply: Reply[npt.NDArray[np.int64] | None] = attrs.field(eq=False, repr=False)
-
-
-@attrs.frozen(kw_only=True)
-class CompleteLoad:
-    """A load finished (or failed): unpin its slots."""
-
-    slots: npt.NDArray[np.int64] = attrs.field(converter=_i64, eq=False)
-
-
-@attrs.frozen(kw_only=True)
-class PrepareStore:
-    """Reserve a slot per key; answers the slots, -1 for a skipped key."""
-
-    keys: tuple[Key, ...]
-    reply: Reply[npt.NDArray[np.int64]] = attrs.field(eq=False, repr=False)
-
-
-@attrs.frozen(kw_only=True)
-class CompleteStore:
-    """A store finished: its keys become lookup hits if ``ok``, else they are dropped."""
-
-    slots: npt.NDArray[np.int64] = attrs.field(converter=_i64, eq=False)
-    ok: bool
-
-
-@attrs.frozen(kw_only=True)
-class ClearAll:
-    """Drop every ready, unpinned key; answers the dropped keys."""
-
-    reply: Reply[list[Key]] = attrs.field(eq=False, repr=False)
-
-
-@attrs.frozen(kw_only=True)
-class GetStatistics:
-    reply: Reply[DirectoryStatistics] = attrs.field(eq=False, repr=False)
-
-
-DirectoryMsg: TypeAlias = (
-    Lookup | PrepareLoad | CompleteLoad | PrepareStore | CompleteStore | ClearAll | GetStatistics
+from ..actors import Actor, ActorRef, ActorSystem
+from ._admission import DEFAULT_WATERMARKS
+from ._directory import Directory
+from ._events import EventBuffer, KVEvent
+from ._messages import (
+    AttachEvictor,
+    ClearAll,
+    CompleteLoad,
+    CompleteStore,
+    DirectoryMsg,
+    Drain,
+    EvictorMsg,
+    EvictSome,
+    GetStatistics,
+    Lookup,
+    PrepareLoad,
+    PrepareStore,
+    Publish,
+    PublisherMsg,
+    ResetCache,
+    RoomLow,
+    TakeEvents,
+    Touch,
 )
+from ._policy import EvictionPolicy
 
 
 class DirectoryActor(Actor[DirectoryMsg]):
-    """Owns one :class:`Directory`. Its state is the truth and is kept across restarts."""
+    """Owns one :class:`Directory`; the keyword arguments are the directory's."""
 
     mailbox_size = 256
 
-    def __init__(self, num_slots: int) -> None:
-        self.directory = Directory(num_slots)
+    def __init__(
+        self,
+        num_slots: int,
+        *,
+        policy: str | EvictionPolicy = "lru",
+        watermarks: tuple[float, float] = DEFAULT_WATERMARKS,
+        store_threshold: int = 1,
+        tracker_size: int = 64_000,
+        publisher: ActorRef[PublisherMsg] | None = None,
+    ) -> None:
+        self.directory = Directory(
+            num_slots,
+            policy=policy,
+            watermarks=watermarks,
+            store_threshold=store_threshold,
+            tracker_size=tracker_size,
+            events=publisher is not None,
+        )
+        self._publisher = publisher
+        self._evictor: ActorRef[EvictorMsg] | None = None
+        self.room_low_coalesced = 0
+        """RoomLow facts not sent because one was already waiting in the evictor's mailbox."""
 
     async def handle(self, msg: DirectoryMsg) -> None:
         d = self.directory
@@ -97,13 +90,146 @@ class DirectoryActor(Actor[DirectoryMsg]):
                 reply.set(d.prepare_load(keys))
             case CompleteLoad(slots=slots):
                 d.complete_load(slots)
+                self._check_room()
             case PrepareStore(keys=keys, reply=reply):
                 reply.set(d.prepare_store(keys))
+                self._check_room()
             case CompleteStore(slots=slots, ok=ok):
-                d.complete_store(slots, ok)
+                d.complete_store(slots, ok)  # stored blocks can be evicted from now on
+                self._check_room()
+            case Touch(keys=keys):
+                d.touch(keys)
             case ClearAll(reply=reply):
                 reply.set(d.clear())
+            case ResetCache(reply=reply):
+                reply.set(d.reset())
+            case EvictSome(max_blocks=max_blocks, reply=reply):
+                reply.set(d.evict(max_blocks))
+            case TakeEvents(reply=reply):
+                reply.set(await self._take_events())
+                return
+            case AttachEvictor(evictor=evictor):
+                self._evictor = evictor
             case GetStatistics(reply=reply):
                 reply.set(d.statistics())
             case _:
                 assert_never(msg)
+        await self._publish()
+
+    def _check_room(self) -> None:
+        if self._evictor is None or not self.directory.room_short():
+            return
+        try:
+            self._evictor.tell_nowait(RoomLow())
+        except anyio.WouldBlock:  # one is waiting already: it will see this shortfall too
+            self.room_low_coalesced += 1
+
+    async def _publish(self) -> None:
+        if self._publisher is not None:
+            events = self.directory.take_events()
+            if events:
+                await self._publisher.tell(Publish(events=tuple(events)))
+
+    async def _take_events(self) -> list[KVEvent]:
+        if self._publisher is None:
+            return self.directory.take_events()
+        await self._publish()
+        return await self._publisher.ask(lambda r: Drain(reply=r))
+
+
+class EvictorActor(Actor[EvictorMsg]):
+    """Keeps the directory between its watermarks, off the critical path.
+
+    ``batch_blocks`` bounds one ``EvictSome`` (None: one message per shortfall); a bound
+    lets lookups interleave with a long eviction, at a policy pass per batch.
+    """
+
+    mailbox_size = 1
+
+    def __init__(
+        self, directory: ActorRef[DirectoryMsg], *, batch_blocks: int | None = None
+    ) -> None:
+        self._directory = directory
+        self._batch = batch_blocks
+        self.evicted = 0
+        self.rounds = 0
+
+    async def handle(self, msg: EvictorMsg) -> None:
+        match msg:
+            case RoomLow():
+                batch = self._batch
+                while True:
+                    n: int = await self._directory.ask(
+                        lambda r: EvictSome(max_blocks=batch, reply=r)
+                    )
+                    self.evicted += n
+                    self.rounds += 1
+                    if batch is None or n < batch:
+                        break
+            case _:
+                assert_never(msg)
+
+
+class PublisherActor(Actor[PublisherMsg]):
+    """Batches KV events between two drains (one engine step); see :class:`EventBuffer`."""
+
+    mailbox_size = 64
+
+    def __init__(self, *, max_keys: int = 1_000_000) -> None:
+        self.buffer = EventBuffer(max_keys=max_keys)
+
+    async def handle(self, msg: PublisherMsg) -> None:
+        match msg:
+            case Publish(events=events):
+                self.buffer.extend(events)
+            case Drain(reply=reply):
+                reply.set(self.buffer.take())
+            case _:
+                assert_never(msg)
+
+
+@attrs.frozen(kw_only=True)
+class HostTier:
+    """The refs of one host tier's actors."""
+
+    directory: ActorRef[DirectoryMsg]
+    evictor: ActorRef[EvictorMsg]
+    publisher: ActorRef[PublisherMsg] | None
+
+
+async def spawn_host_tier(
+    system: ActorSystem,
+    num_slots: int,
+    *,
+    policy: str | EvictionPolicy = "lru",
+    watermarks: tuple[float, float] = DEFAULT_WATERMARKS,
+    store_threshold: int = 1,
+    tracker_size: int = 64_000,
+    events: bool = False,
+    evict_batch: int | None = None,
+    prefix: str = "",
+) -> HostTier:
+    """Spawn publisher (if ``events``), directory and evictor, wired; actors are named
+    ``{prefix}kv-events``, ``{prefix}directory`` and ``{prefix}evictor``.
+
+    Raises :class:`~kvferry.ConfigError` for a bad policy, watermarks or threshold.
+    """
+    publisher = (
+        await system.spawn(PublisherActor(), name=f"{prefix}kv-events") if events else None
+    )
+    directory = await system.spawn(
+        DirectoryActor(
+            num_slots,
+            policy=policy,
+            watermarks=watermarks,
+            store_threshold=store_threshold,
+            tracker_size=tracker_size,
+            publisher=publisher,
+        ),
+        name=f"{prefix}directory",
+    )
+    evictor = await system.spawn(
+        EvictorActor(directory, batch_blocks=evict_batch), name=f"{prefix}evictor"
+    )
+    await directory.tell(AttachEvictor(evictor=evictor))
+    return HostTier(directory=directory, evictor=evictor, publisher=publisher)

@@ -1,202 +1,390 @@
 """The host tier's block directory: which key lives in which host slot, in which state.
 
 A slot is FREE, STORING (a store was prepared and has not completed: never a lookup hit,
-never evicted) or READY (readable). A READY slot may be pinned by loads (a count);
-pinned slots are never evicted. Eviction is LRU over READY, unpinned slots.
+never evicted) or READY (readable); a READY slot may be pinned by loads (a count). After
+a reset, slots still in flight are *dropped*: invisible at once, freed when their store
+completes or their last load ends. The invariants the tests hold (DESIGN §4):
 
-Per-slot state lives in numpy arrays; the key → slot map is one dict. This class is
-plain, synchronous and single-owner: :class:`~kvferry.cache.DirectoryActor` owns one.
+1. a lookup hit is only a key whose store completed with ``ok``;
+2. a STORING or pinned slot is never evicted, never reassigned;
+5. at most ``num_slots`` keys are held, whatever happens.
+
+Per-slot state lives in numpy arrays; the key → slot map is one ``dict`` of the caller's
+key objects (``benchmarks/bookkeeping.py`` measures it against a compact numpy table: the
+dict is 2-3x faster for a request's tens of keys, the table half the memory). Which block
+to evict is the policy's choice (:mod:`~kvferry.cache._policy`); how many, and when, is
+this class's: above the high watermark it asks the policy for enough victims to come down
+to the low one, in one batch.
+The :class:`~kvferry.cache.EvictorActor` triggers that between messages, so a store
+rarely evicts inline.
+
+Who owns what: plain, synchronous and single-owner; :class:`~kvferry.cache.DirectoryActor`
+owns one, and tests and benchmarks drive one directly.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
+from typing import cast
 
-import attrs
 import numpy as np
 import numpy.typing as npt
 
-FREE, STORING, READY = 0, 1, 2
+from ._admission import DEFAULT_WATERMARKS, AdmissionFilter, check_store_threshold, check_watermarks
+from ._events import AllBlocksCleared, BlocksRemoved, BlocksStored, KVEvent
+from ._policy import EvictionPolicy, make_policy
+from ._statistics import DirectoryStatistics
+from ._table import tags_of
+
+I64 = npt.NDArray[np.int64]
+
+FREE, STORING, READY, STORING_DROPPED, READY_DROPPED = 0, 1, 2, 3, 4
 
 Key = bytes
 
-
-@attrs.frozen(kw_only=True)
-class DirectoryStatistics:
-    """Counters of one directory, in blocks (offloaded blocks, not engine blocks)."""
-
-    capacity: int
-    used: int
-    ready: int
-    pinned: int
-    lookups: int
-    hits: int
-    misses: int
-    stores_prepared: int
-    stores_skipped_present: int
-    stores_skipped_full: int
-    stores_completed: int
-    stores_failed: int
-    loads_prepared: int
-    loads_completed: int
-    evictions: int
+_NO_TAGS = np.zeros(0, np.int64)
 
 
 class Directory:
-    """Key → slot bookkeeping with pins and LRU eviction, for ``num_slots`` host slots."""
+    """Key → slot bookkeeping with pins, admission, a pluggable eviction policy and events.
 
-    def __init__(self, num_slots: int) -> None:
+    ``policy``: ``"lru"``, ``"arc"``, ``"s3fifo"``, ``"package.module:Class"`` or an
+    :class:`EvictionPolicy`. ``watermarks``: (low, high) occupancy; above high, eviction
+    brings it down to low (``(1.0, 1.0)``: evict only what a store needs, inline).
+    ``store_threshold``: store a key only at its N-th offer (1: always), counted over the
+    last ``tracker_size`` distinct keys offered. ``events``: record :mod:`KV events
+    <kvferry.cache._events>` for :meth:`take_events`.
+
+    The per-request calls loop in Python over memoryviews of the state arrays (a numpy
+    call costs more than a whole short request) and hand the policy one array per call;
+    the per-capacity work (eviction) is vectorized.
+    """
+
+    def __init__(
+        self,
+        num_slots: int,
+        *,
+        policy: str | EvictionPolicy = "lru",
+        watermarks: tuple[float, float] = DEFAULT_WATERMARKS,
+        store_threshold: int = 1,
+        tracker_size: int = 64_000,
+        events: bool = False,
+    ) -> None:
         if num_slots <= 0:
             raise ValueError(f"num_slots must be > 0, got {num_slots}")
+        check_store_threshold(store_threshold)
         self.num_slots = num_slots
+        self.low, self.high = check_watermarks(watermarks)
+        self.policy = make_policy(policy, num_slots)
+        self.store_threshold = store_threshold
+        self._admission = (
+            AdmissionFilter(store_threshold, tracker_size) if store_threshold > 1 else None
+        )
+        # The key index: the caller's key objects, one dict entry each, and back.
         self._slot_of: dict[Key, int] = {}
         self._key_of: list[Key | None] = [None] * num_slots
-        self._state = np.zeros(num_slots, dtype=np.int8)
-        self._pins = np.zeros(num_slots, dtype=np.int32)
-        # READY slots, least recently used first.
-        self._lru: OrderedDict[int, None] = OrderedDict()
-        self._free: list[int] = list(range(num_slots - 1, -1, -1))
-        self._c = dict.fromkeys(
-            (
-                "lookups", "hits", "misses", "stores_prepared", "stores_skipped_present",
-                "stores_skipped_full", "stores_completed", "stores_failed",
-                "loads_prepared", "loads_completed", "evictions",
-            ),
-            0,
-        )
-        self.evicted: list[Key] = []
-        """Keys evicted since the last :meth:`take_evicted`."""
+        # One extra slot at the end: the FREE sentinel that slot -1 (absent) reads.
+        self._state = np.zeros(num_slots + 1, np.int8)
+        self._pins = np.zeros(num_slots + 1, np.int32)
+        self._st = self._state.data
+        self._pn = self._pins.data
+        # Tags (hash of the key) only for a policy that keeps history of evicted keys.
+        self._uses_tags = bool(getattr(self.policy, "uses_tags", True))
+        self._tag = np.zeros(num_slots if self._uses_tags else 0, np.int64)
+        self._free = np.arange(num_slots - 1, -1, -1, dtype=np.int32)  # a stack, top last
+        self._num_free = num_slots
+        self._events: list[KVEvent] | None = [] if events else None
+        self.lookups = self.hits = self.misses = 0
+        self.stores_prepared = self.stores_skipped_present = self.stores_skipped_full = 0
+        self.stores_completed = self.stores_failed = 0
+        self.loads_prepared = self.loads_completed = 0
+        self.evictions = self.evictions_inline = self.resets = 0
+        self._stuck = False  # the last eviction found nothing; until a block becomes evictable
 
     # -- queries -----------------------------------------------------------------------
 
     def lookup(self, keys: Sequence[Key]) -> int:
         """Number of leading ``keys`` that are READY (a hit is only a completed store)."""
+        st = self._st
         n = 0
-        for key in keys:
-            slot = self._slot_of.get(key)
-            if slot is None or self._state[slot] != READY:
+        for s in map(self._slot_of.get, keys):
+            if s is None or st[s] != READY:
                 break
             n += 1
-        self._c["lookups"] += 1
-        self._c["hits"] += n
-        self._c["misses"] += len(keys) - n
+        self.lookups += 1
+        self.hits += n
+        self.misses += len(keys) - n
         return n
 
     def state_of(self, key: Key) -> int:
-        slot = self._slot_of.get(key)
-        return FREE if slot is None else int(self._state[slot])
+        return int(self._st[self._slot_of.get(key, -1)])
 
     def slot_of(self, key: Key) -> int | None:
         return self._slot_of.get(key)
 
+    @property
+    def used(self) -> int:
+        return self.num_slots - self._num_free
+
     # -- loads -------------------------------------------------------------------------
 
-    def prepare_load(self, keys: Sequence[Key]) -> npt.NDArray[np.int64] | None:
-        """Pin the READY slots of ``keys`` for a load; None (nothing pinned) if any is not READY."""
-        slots = np.empty(len(keys), dtype=np.int64)
-        for i, key in enumerate(keys):
-            slot = self._slot_of.get(key)
-            if slot is None or self._state[slot] != READY:
+    def prepare_load(self, keys: Sequence[Key]) -> I64 | None:
+        """Pin the READY slots of ``keys`` for a load; None (nothing pinned) if any is not READY.
+
+        A load is a reuse: the policy counts it.
+        """
+        st, pins = self._st, self._pn
+        found = list(map(self._slot_of.get, keys))
+        if None in found:
+            return None
+        slots = cast(list[int], found)
+        for s in slots:
+            if st[s] != READY:
                 return None
-            slots[i] = slot
-        for slot in slots.tolist():
-            self._pins[slot] += 1
-            self._lru.move_to_end(slot)
-        self._c["loads_prepared"] += len(keys)
-        return slots
+        for s in slots:
+            pins[s] += 1
+        out = np.array(slots, np.int64)
+        self.policy.reuse(out)
+        self.loads_prepared += len(slots)
+        return out
 
     def complete_load(self, slots: npt.ArrayLike) -> None:
         """Unpin the slots of a finished (or failed) load."""
-        for slot in np.asarray(slots, dtype=np.int64).tolist():
-            assert self._state[slot] == READY and self._pins[slot] > 0, (slot, self._pins[slot])
-            self._pins[slot] -= 1
-            self._c["loads_completed"] += 1
+        st, pins = self._st, self._pn
+        freed = []
+        n = 0
+        for s in np.asarray(slots, np.int64).tolist():
+            state = st[s]
+            assert pins[s] > 0 and state in (READY, READY_DROPPED), f"slot {s} is not pinned"
+            pins[s] -= 1
+            n += 1
+            if state == READY_DROPPED and pins[s] == 0:  # a reset dropped it: free it now
+                freed.append(s)
+        self.loads_completed += n
+        self._stuck = False
+        if freed:
+            self._release(np.array(freed, np.int64))
+
+    def touch(self, keys: Sequence[Key]) -> None:
+        """A request finished with these keys (head first): recency for the policy."""
+        get, st = self._slot_of.get, self._st
+        slots = [s for key in keys if (s := get(key, -1)) >= 0 and st[s] == READY]
+        if slots:
+            self.policy.touch(np.array(slots, np.int64))
 
     # -- stores ------------------------------------------------------------------------
 
-    def prepare_store(self, keys: Sequence[Key]) -> npt.NDArray[np.int64]:
+    def prepare_store(self, keys: Sequence[Key]) -> I64:
         """Reserve a slot per key; -1 where the key is skipped.
 
-        A key already STORING or READY is skipped (counted as present); when no slot is
-        free and nothing is evictable, the key is skipped (counted as full): a skipped
-        store is only a future miss.
+        Skipped, in this order: a key already STORING or READY (present; a READY one is a
+        reuse for the policy and is not evicted by this call), a repeated key, a key
+        offered fewer than ``store_threshold`` times, and — when no slot is free and
+        nothing is evictable — the last keys of the call (full): a skipped store is only
+        a future miss.
         """
-        slots = np.full(len(keys), -1, dtype=np.int64)
-        for i, key in enumerate(keys):
-            if key in self._slot_of:
-                self._c["stores_skipped_present"] += 1
-                continue
-            slot = self._allocate()
-            if slot < 0:
-                self._c["stores_skipped_full"] += 1
-                continue
-            self._slot_of[key] = slot
-            self._key_of[slot] = key
-            self._state[slot] = STORING
-            slots[i] = slot
-            self._c["stores_prepared"] += 1
-        return slots
+        k = len(keys)
+        found = list(map(self._slot_of.get, keys))
+        idx: list[int] | range = range(k)
+        protect = None
+        if found.count(None) < k:  # some present: skip them, count a reuse of the READY ones
+            st = self._st
+            idx = [i for i, s in enumerate(found) if s is None]
+            reused = [s for s in found if s is not None and st[s] == READY]
+            if reused:
+                protect = np.array(reused, np.int64)
+                self.policy.reuse(protect)
+            self.stores_skipped_present += k - len(idx)
+        if len(idx) > 1 and len(set(keys)) < k:
+            seen: set[Key] = set()
+            idx = [i for i in idx if not (keys[i] in seen or seen.add(keys[i]))]  # type: ignore[func-returns-value]
+        new_keys = list(keys) if len(idx) == k else [keys[i] for i in idx]
+        if not new_keys:
+            return np.full(k, -1, np.int64)
+        tags = tags_of(new_keys) if self._uses_tags or self._admission is not None else None
+        if self._admission is not None:
+            assert tags is not None
+            admitted = self._admission.offer(tags)
+            keep = admitted.tolist()
+            idx = [i for i, a in zip(idx, keep, strict=True) if a]
+            new_keys = [key for key, a in zip(new_keys, keep, strict=True) if a]
+            tags = tags[admitted]
+        need = len(new_keys)
+        if self._uses_tags:
+            assert tags is not None
+            self.policy.store_miss(tags)
+        if need > self._num_free:
+            short = max(need - self._num_free, self.used + need - int(self.low * self.num_slots))
+            self.evictions_inline += self._evict(short, protect)
+        m = min(need, self._num_free)
+        self.stores_skipped_full += need - m
+        if not m:
+            return np.full(k, -1, np.int64)
+        top = self._num_free
+        new = self._free[top - m : top][::-1]
+        self._num_free = top - m
+        slots = new.tolist()
+        key_of = self._key_of
+        for s, key in zip(slots, new_keys, strict=False):
+            key_of[s] = key
+        self._slot_of.update(zip(new_keys, slots, strict=False))
+        self._state[new] = STORING
+        if self._uses_tags:
+            assert tags is not None
+            self._tag[new] = tags[:m]
+        self.stores_prepared += m
+        if m == k:
+            return new.astype(np.int64)
+        out = np.full(k, -1, np.int64)
+        out[np.asarray(idx[:m], np.int64)] = new
+        return out
 
     def complete_store(self, slots: npt.ArrayLike, ok: bool) -> None:
         """A prepared store finished: READY if ``ok``, else the slot is freed (never visible)."""
-        for slot in np.asarray(slots, dtype=np.int64).tolist():
-            assert self._state[slot] == STORING, (slot, self._state[slot])
-            if ok:
-                self._state[slot] = READY
-                self._lru[slot] = None
-                self._c["stores_completed"] += 1
-            else:
-                self._release(slot)
-                self._c["stores_failed"] += 1
+        arr = np.asarray(slots, np.int64)
+        if not len(arr):
+            return
+        state = self._state[arr]
+        live = state == STORING
+        if not live.all():
+            assert (live | (state == STORING_DROPPED)).all(), "complete_store of a slot not storing"
+            self._release(arr[~live])  # stores a reset dropped: freed, never visible
+            arr = arr[live]
+        if ok:
+            self._stuck = False
+            self._state[arr] = READY
+            self.policy.admit(arr, self._tag[arr] if self._uses_tags else _NO_TAGS)
+            self.stores_completed += len(arr)
+            if self._events is not None and len(arr):
+                self._events.append(BlocksStored(keys=self._keys_of(arr.tolist())))
+        else:
+            self._unindex(arr.tolist())
+            self._release(arr)
+            self.stores_failed += len(arr)
+
+    def _keys_of(self, slots: list[int]) -> list[Key]:
+        key_of = self._key_of
+        return [key for s in slots if (key := key_of[s]) is not None]
+
+    def _unindex(self, slots: list[int]) -> None:
+        key_of, slot_of = self._key_of, self._slot_of
+        for s in slots:
+            key = key_of[s]
+            assert key is not None
+            del slot_of[key]
+            key_of[s] = None
 
     # -- space -------------------------------------------------------------------------
 
-    def _allocate(self) -> int:
-        if self._free:
-            return self._free.pop()
-        for slot in self._lru:
-            if self._pins[slot] == 0:
-                key = self._key_of[slot]
-                assert key is not None
-                self.evicted.append(key)
-                self._c["evictions"] += 1
-                del self._lru[slot]
-                self._release(slot, to_free_list=False)
-                return slot
-        return -1
+    def room_short(self) -> int:
+        """Blocks to evict to come down to the low watermark; 0 unless above the high one,
+        or while nothing became evictable since an eviction found nothing to evict."""
+        if self._stuck or self.used <= self.high * self.num_slots:
+            return 0
+        return max(0, self.used - int(self.low * self.num_slots))
 
-    def _release(self, slot: int, *, to_free_list: bool = True) -> None:
-        key = self._key_of[slot]
-        assert key is not None
-        del self._slot_of[key]
-        self._key_of[slot] = None
-        self._state[slot] = FREE
-        self._lru.pop(slot, None)
-        if to_free_list:
-            self._free.append(slot)
+    def evict(self, max_blocks: int | None = None) -> int:
+        """Evict towards the low watermark (at most ``max_blocks``); returns how many."""
+        n = self.room_short()
+        if max_blocks is not None:
+            n = min(n, max_blocks)
+        return self._evict(n, None) if n > 0 else 0
+
+    def _evict(self, n: int, protect: I64 | None) -> int:
+        evictable = (self._state == READY) & (self._pins == 0)
+        if protect is not None:
+            evictable[protect] = False
+        victims = np.asarray(self.policy.victims(n, evictable[:-1], self._tag), np.int64)
+        self._stuck = len(victims) < n
+        assert len(victims) <= n and evictable[victims].all(), "policy chose a non-evictable slot"
+        assert len(np.unique(victims)) == len(victims), "policy chose a slot twice"
+        if not len(victims):
+            return 0
+        gone = victims.tolist()
+        if self._events is not None:
+            self._events.append(BlocksRemoved(keys=self._keys_of(gone)))
+        self._unindex(gone)
+        self._release(victims)
+        self.evictions += len(victims)
+        return len(victims)
+
+    def _release(self, slots: I64) -> None:
+        self._state[slots] = FREE
+        self._pins[slots] = 0
+        m = len(slots)
+        self._free[self._num_free : self._num_free + m] = slots
+        self._num_free += m
 
     def clear(self) -> list[Key]:
         """Drop every READY, unpinned key; returns them. STORING and pinned slots stay."""
-        dropped = []
-        for slot in list(self._lru):
-            if self._pins[slot] == 0:
-                key = self._key_of[slot]
-                assert key is not None
-                dropped.append(key)
-                self._release(slot)
+        slots = np.flatnonzero((self._state[:-1] == READY) & (self._pins[:-1] == 0))
+        keys = self._keys_of(slots.tolist())
+        if len(slots):
+            self.policy.forget(slots)
+            self._unindex(slots.tolist())
+            self._release(slots)
+            if self._events is not None:
+                self._events.append(BlocksRemoved(keys=keys))
+        return keys
+
+    def reset(self) -> int:
+        """Forget every key at once (vLLM's ``reset_prefix_cache``); returns how many READY
+        blocks were dropped.
+
+        Nothing from before is a hit afterwards. Slots still in flight are not reused
+        before their load or store ends (invariant 2): they are freed then.
+        """
+        state = self._state[:-1]
+        ready = state == READY
+        dropped = int(ready.sum())
+        pinned = self._pins[:-1] > 0
+        state[ready & pinned] = READY_DROPPED
+        state[state == STORING] = STORING_DROPPED
+        self._release(np.flatnonzero(ready & ~pinned))
+        self._slot_of.clear()
+        self._key_of = [None] * self.num_slots
+        self.policy.clear()
+        self.resets += 1
+        if self._events is not None:
+            self._events.clear()  # a clear makes the batch's earlier events moot
+            self._events.append(AllBlocksCleared())
         return dropped
 
-    def take_evicted(self) -> list[Key]:
-        evicted, self.evicted = self.evicted, []
-        return evicted
+    # -- events and statistics ----------------------------------------------------------
+
+    def take_events(self) -> list[KVEvent]:
+        """Events recorded since the last call, in order (empty unless ``events``)."""
+        if not self._events:
+            return []
+        out, self._events = self._events, []
+        return out
+
+    def visible_keys(self) -> set[Key]:
+        """Every key that is a lookup hit now (for tests; O(capacity))."""
+        return set(self._keys_of(np.flatnonzero(self._state[:-1] == READY).tolist()))
 
     def statistics(self) -> DirectoryStatistics:
-        state = self._state
+        state = self._state[:-1]
         return DirectoryStatistics(
             capacity=self.num_slots,
-            used=int(np.count_nonzero(state)),
+            used=self.used,
             ready=int(np.count_nonzero(state == READY)),
             pinned=int(np.count_nonzero(self._pins)),
-            **self._c,
+            storing=int(np.count_nonzero(state == STORING)),
+            lookups=self.lookups,
+            hits=self.hits,
+            misses=self.misses,
+            stores_prepared=self.stores_prepared,
+            stores_skipped_present=self.stores_skipped_present,
+            stores_skipped_threshold=self._admission.skipped if self._admission else 0,
+            stores_skipped_full=self.stores_skipped_full,
+            stores_completed=self.stores_completed,
+            stores_failed=self.stores_failed,
+            loads_prepared=self.loads_prepared,
+            loads_completed=self.loads_completed,
+            evictions=self.evictions,
+            evictions_inline=self.evictions_inline,
+            resets=self.resets,
+            policy=self.policy.name,
+            policy_stats=dict(self.policy.statistics()),
         )

@@ -173,7 +173,7 @@ class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):
 
     @override
     def take_events(self) -> Iterable[Any]:
-        return ()
+        return () if self._scheduler is None else self._scheduler.take_events()
 
     @override
     def get_kv_connector_stats(self) -> KVConnectorStats | None:

@@ -27,10 +27,12 @@ from .. import traces
 from .._logging import get_logger
 from ..actors import ActorRef, ActorSystem, start_runtime
 from ..cache import (
-    ClearAll,
+    ResetCache,
+    TakeEvents,
+    spawn_host_tier,
+    to_vllm_events,
     CompleteLoad,
     CompleteStore,
-    DirectoryActor,
     DirectoryMsg,
     DirectoryStatistics,
     GetStatistics,
@@ -209,8 +211,20 @@ class SchedulerSide:
         self._stale_jobs: set[int] = set()
         num_slots = self.geometry.num_slots
 
+        kv_events = getattr(vllm_config, "kv_events_config", None)
+        self.events_enabled = bool(kv_events is not None and kv_events.enable_kv_cache_events)
+
         async def setup(system: ActorSystem) -> ActorRef[DirectoryMsg]:
-            return await system.spawn(DirectoryActor(num_slots), name="directory")
+            tier = await spawn_host_tier(
+                system,
+                num_slots,
+                policy=cfg.eviction_policy,
+                watermarks=cfg.eviction_watermarks,
+                store_threshold=cfg.store_threshold,
+                tracker_size=cfg.store_threshold_tracker_size,
+                events=self.events_enabled,
+            )
+            return tier.directory
 
         self.runtime, self.directory = start_runtime(cfg.runtime, setup)
         self._provider = traces.setup(cfg.traces, role="scheduler")
@@ -472,13 +486,19 @@ class SchedulerSide:
     def reset(self) -> bool:
         """Clear the host tier. Jobs in flight end normally; stores that were in flight are
         then discarded instead of becoming visible."""
-        dropped = self._ask(lambda r: ClearAll(reply=r))
+        dropped = self._ask(lambda r: ResetCache(reply=r))
         self._dir_dirty = True
         self._stale_jobs.update(j for j, job in self._jobs.items() if job.is_store)
         for st in self._reqs.values():
             st.stored_upto = 0
-        self._log.info("cache_reset", dropped=len(dropped), stores_in_flight=len(self._stale_jobs))
+        self._log.info("cache_reset", dropped=dropped, stores_in_flight=len(self._stale_jobs))
         return True
+
+    def take_events(self) -> list[Any]:
+        """This step's KV events (BlockStored / BlockRemoved / AllBlocksCleared, medium CPU)."""
+        if not self.events_enabled:
+            return []
+        return to_vllm_events(self._ask(lambda r: TakeEvents(reply=r)))
 
     def has_pending_work(self) -> bool:
         return bool(self._jobs or self._pending_loads or self._pending_stores or self._pending_releases)

@@ -1,31 +1,29 @@
-"""The host tier's directory: hits only after completed stores, pins, LRU, capacity."""
+"""The host tier's directory: hits only after completed stores, pins, capacity, admission,
+watermarks, clear and reset."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from kvferry.actors import ActorSystem
+from kvferry import ConfigError
 from kvferry.cache import (
-    CompleteLoad,
-    CompleteStore,
+    AllBlocksCleared,
+    BlocksRemoved,
+    BlocksStored,
     Directory,
-    DirectoryActor,
-    GetStatistics,
-    Lookup,
-    PrepareLoad,
-    PrepareStore,
 )
-
-
-def k(i: int) -> bytes:
-    return i.to_bytes(8, "big")
+from kvferry.cache._testing import key as k
 
 
 def store(d: Directory, *keys: bytes) -> np.ndarray:
     slots = d.prepare_store(list(keys))
     d.complete_store(slots[slots >= 0], ok=True)
     return slots
+
+
+def evicted(d: Directory) -> list[bytes]:
+    return [key for e in d.take_events() if isinstance(e, BlocksRemoved) for key in e.keys]
 
 
 def test_a_prepared_store_is_not_a_hit_until_it_completes() -> None:
@@ -40,6 +38,8 @@ def test_lookup_counts_only_the_leading_ready_keys() -> None:
     d = Directory(4)
     store(d, k(1), k(3))
     assert d.lookup([k(1), k(2), k(3)]) == 1
+    stats = d.statistics()
+    assert (stats.lookups, stats.hits, stats.misses) == (1, 1, 2)
 
 
 def test_a_failed_store_is_never_visible_and_frees_its_slot() -> None:
@@ -51,25 +51,35 @@ def test_a_failed_store_is_never_visible_and_frees_its_slot() -> None:
     assert d.prepare_store([k(2)])[0] >= 0
 
 
-def test_present_keys_are_skipped() -> None:
+def test_present_and_repeated_keys_are_skipped() -> None:
     d = Directory(4)
     store(d, k(1))
-    assert d.prepare_store([k(1), k(2)])[0] == -1
+    slots = d.prepare_store([k(1), k(2), k(2)])
+    assert slots[0] == -1 and slots[1] >= 0 and slots[2] == -1
     assert d.statistics().stores_skipped_present == 1
 
 
 def test_lru_evicts_the_least_recently_used_ready_block() -> None:
-    d = Directory(2)
+    d = Directory(2, watermarks=(1.0, 1.0), events=True)
     store(d, k(1))
     store(d, k(2))
     d.complete_load(d.prepare_load([k(1)]))  # k(1) used more recently than k(2)
+    d.take_events()
     store(d, k(3))
-    assert d.take_evicted() == [k(2)]
+    assert evicted(d) == [k(2)]
     assert d.lookup([k(1)]) == 1 and d.lookup([k(3)]) == 1
 
 
+def test_a_prefix_loses_its_tail_first() -> None:
+    d = Directory(3, watermarks=(1.0, 1.0), events=True)
+    store(d, k(1), k(2), k(3))  # one request's prefix: k(1) is its head
+    d.take_events()
+    store(d, k(9))
+    assert evicted(d) == [k(3)]
+
+
 def test_pinned_and_storing_blocks_are_never_evicted() -> None:
-    d = Directory(2)
+    d = Directory(2, events=True)
     store(d, k(1))
     pinned = d.prepare_load([k(1)])
     assert pinned is not None
@@ -77,12 +87,22 @@ def test_pinned_and_storing_blocks_are_never_evicted() -> None:
     assert list(d.prepare_store([k(3)])) == [-1]  # nothing evictable: skipped as full
     assert d.statistics().stores_skipped_full == 1
     d.complete_load(pinned)
+    d.take_events()
     assert d.prepare_store([k(3)])[0] >= 0
-    assert d.take_evicted() == [k(1)]
+    assert evicted(d) == [k(1)]
+
+
+def test_keys_offered_for_store_are_not_evicted_by_that_store() -> None:
+    d = Directory(2, watermarks=(1.0, 1.0), events=True)
+    store(d, k(1))
+    store(d, k(2))  # k(1) is the least recently used...
+    d.take_events()
+    d.prepare_store([k(1), k(3)])  # ...but offered again here: k(2) goes
+    assert evicted(d) == [k(2)]
 
 
 def test_capacity_is_never_exceeded() -> None:
-    d = Directory(3)
+    d = Directory(3, watermarks=(1.0, 1.0))
     for i in range(10):
         store(d, k(i))
         assert d.statistics().used <= 3
@@ -96,18 +116,116 @@ def test_prepare_load_of_a_missing_key_pins_nothing() -> None:
     assert d.statistics().pinned == 0
 
 
-@pytest.mark.anyio
-async def test_directory_actor_answers_each_message() -> None:
-    async with ActorSystem() as system:
-        ref = await system.spawn(DirectoryActor(4))
-        slots = await ref.ask(lambda r: PrepareStore(keys=(k(1), k(2)), reply=r))
-        assert await ref.ask(lambda r: Lookup(keys=(k(1),), reply=r)) == 0
-        await ref.tell(CompleteStore(slots=slots, ok=True))
-        assert await ref.ask(lambda r: Lookup(keys=(k(1), k(2)), reply=r)) == 2
-        pinned = await ref.ask(lambda r: PrepareLoad(keys=(k(2),), reply=r))
-        assert pinned is not None and list(pinned) == [slots[1]]
-        stats = await ref.ask(lambda r: GetStatistics(reply=r))
-        assert stats.pinned == 1 and stats.ready == 2
-        await ref.tell(CompleteLoad(slots=pinned))
-        stats = await ref.ask(lambda r: GetStatistics(reply=r))
-        assert stats.pinned == 0
+def test_store_threshold_admits_a_key_at_its_nth_offer() -> None:
+    d = Directory(4, store_threshold=2)
+    assert list(d.prepare_store([k(1)])) == [-1]
+    assert d.statistics().stores_skipped_threshold == 1
+    assert d.prepare_store([k(1)])[0] >= 0
+
+
+def test_the_evictor_keeps_occupancy_between_the_watermarks() -> None:
+    d = Directory(100, watermarks=(0.5, 0.9))
+    for i in range(90):
+        store(d, k(i))
+    assert d.room_short() == 0  # at the high watermark, not above
+    store(d, k(90))
+    assert d.room_short() == 41
+    assert d.evict() == 41
+    assert d.used == 50 and d.room_short() == 0
+    assert d.statistics().evictions_inline == 0
+
+
+def test_an_inline_eviction_also_goes_down_to_the_low_watermark() -> None:
+    d = Directory(10, watermarks=(0.5, 0.9))
+    for i in range(10):
+        store(d, k(i))
+    store(d, k(10))  # no evictor ran: this store evicts, in one batch
+    stats = d.statistics()
+    assert stats.evictions_inline == stats.evictions == 6
+    assert d.used == 5
+
+
+def test_clear_drops_ready_unpinned_keys_only() -> None:
+    d = Directory(4, events=True)
+    store(d, k(1), k(2))
+    pinned = d.prepare_load([k(2)])
+    d.prepare_store([k(3)])
+    d.take_events()
+    assert d.clear() == [k(1)]
+    assert d.take_events() == [BlocksRemoved(keys=[k(1)])]
+    assert pinned is not None and d.lookup([k(2)]) == 1
+
+
+def test_reset_hides_everything_and_frees_slots_in_flight_when_their_jobs_end() -> None:
+    d = Directory(3, events=True)
+    store(d, k(1), k(2))
+    pinned = d.prepare_load([k(1)])
+    storing = d.prepare_store([k(3)])
+    assert pinned is not None
+    assert d.reset() == 2
+    assert d.take_events() == [AllBlocksCleared()]
+    assert d.lookup([k(1)]) == 0 and d.lookup([k(2)]) == 0
+    assert d.used == 2  # k(1)'s slot is still read by a load, k(3)'s still written
+    d.complete_store(storing, ok=True)
+    assert d.lookup([k(3)]) == 0  # a store from before the reset never shows
+    d.complete_load(pinned)
+    assert d.used == 0
+    assert d.take_events() == []
+
+
+def test_events_record_stores_and_evictions_in_order() -> None:
+    d = Directory(2, watermarks=(1.0, 1.0), events=True)
+    store(d, k(1), k(2))
+    store(d, k(3))
+    assert d.take_events() == [
+        BlocksStored(keys=[k(1), k(2)]),
+        BlocksRemoved(keys=[k(2)]),
+        BlocksStored(keys=[k(3)]),
+    ]
+
+
+def test_no_events_are_kept_unless_asked_for() -> None:
+    d = Directory(2)
+    store(d, k(1))
+    assert d.take_events() == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "key"),
+    [
+        ({"policy": "mru"}, "eviction_policy"),
+        ({"policy": "no.such.module:Policy"}, "eviction_policy"),
+        ({"policy": "kvferry.cache:Directory"}, "eviction_policy"),
+        ({"watermarks": (0.9, 0.5)}, "eviction_watermarks"),
+        ({"watermarks": (0.0, 0.5)}, "eviction_watermarks"),
+        ({"store_threshold": 0}, "store_threshold"),
+    ],
+)
+def test_bad_settings_name_their_config_key(kwargs: dict[str, object], key: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        Directory(4, **kwargs)  # type: ignore[arg-type]
+    assert err.value.key == key
+
+
+def test_statistics_report_the_policy() -> None:
+    d = Directory(4, policy="ARC")
+    store(d, k(1))
+    stats = d.statistics()
+    assert stats.policy == "arc"
+    assert stats.policy_stats["t1"] == 1
+    assert stats.occupancy == 0.25
+
+
+def test_admission_forgets_the_least_recently_offered_keys_first() -> None:
+    from kvferry.cache import AdmissionFilter
+    from kvferry.cache._table import tags_of
+
+    adm = AdmissionFilter(2, tracker_size=2)
+    a, b, c = (tags_of([k(i)]) for i in range(3))
+    assert adm.offer(a).tolist() == [False]
+    assert adm.offer(b).tolist() == [False]
+    assert adm.offer(a).tolist() == [True]  # a's second offer; a is the youngest again
+    assert adm.offer(c).tolist() == [False]  # two keys fit: b, offered least recently, goes
+    assert adm.offer(b).tolist() == [False]  # b counts from one again (a goes)
+    assert adm.offer(c).tolist() == [True]
+    assert adm.skipped == 4

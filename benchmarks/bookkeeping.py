@@ -1,0 +1,397 @@
+"""Bookkeeping of the host tier: kvferry's Directory against vLLM's CPUOffloadingManager.
+
+One seeded trace — requests over shared document prefixes (Zipf-skewed), each with a
+unique question suffix, and bursts of one-off long documents (scans) — replayed through
+kvferry's directory (driven directly and synchronously, message by message, as its
+DirectoryActor and EvictorActor would) and through vLLM 0.32's ``CPUOffloadingManager``
+(policies "lru" and "arc"), driven the way its OffloadingConnector drives it: per key
+``lookup`` until the first miss, ``prepare_load`` of the hit prefix, ``prepare_store`` of
+the rest, and later ``complete_load`` / ``complete_store`` / ``on_request_finished``.
+``--window`` requests are in flight at once (their loads pinned, their stores pending).
+
+Figures:
+- ns per op: CPU time (``time.process_time``, best of ``--repeats``, runs interleaved)
+  per block of a request taken through lookup and its load or store (prepare and
+  complete). The op count is the trace's, the same for every system.
+- hit rate: blocks a lookup found ready ÷ blocks looked up.
+- bytes per block: ``tracemalloc`` (numpy's buffers included) of the whole structure
+  holding 1,000,000 blocks after 1,000,000 more were stored through it (evictions done,
+  ghost lists full), keys of 36 bytes (a 32-byte block hash + a 4-byte group), held by
+  nothing but the structure.
+- index: the cost of resolving a request's keys with a dict (what the directory uses)
+  and with a compact numpy table (no Python object per key), and their bytes per key.
+
+The last line printed is one JSON object with the figures. ``--quick`` runs a small trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import json
+import time
+import tracemalloc
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvferry.cache import Directory
+from kvferry.cache._table import TagTable, tags_of
+
+Keys = tuple[bytes, ...]
+
+
+def make_trace(
+    *,
+    seed: int = 0,
+    requests: int = 20_000,
+    docs: int = 5_000,
+    zipf: float = 0.8,
+    scan_share: float = 0.25,
+    scan_burst: int = 20,
+) -> tuple[list[Keys], int]:
+    """Requests as tuples of keys (prefix order), and the number of distinct keys.
+
+    A request is a document's blocks (8..47, Zipf-popular, under one of 8 system prompts
+    of 2 blocks) then 1..5 blocks of its own; ``scan_share`` of the requests come in
+    bursts of ``scan_burst`` one-off documents of 32..63 blocks.
+    """
+    rng = np.random.default_rng(seed)
+    counter = 0
+
+    def new_key() -> bytes:
+        nonlocal counter
+        counter += 1
+        return hashlib.sha256(counter.to_bytes(8, "big")).digest() + b"\0\0\0\0"
+
+    system = [[new_key(), new_key()] for _ in range(8)]
+    doc_keys = [
+        system[d % 8] + [new_key() for _ in range(int(rng.integers(8, 48)))] for d in range(docs)
+    ]
+    popularity = 1.0 / np.arange(1, docs + 1) ** zipf
+    popularity /= popularity.sum()
+    order = rng.permutation(docs)
+    picks = iter(order[rng.choice(docs, size=requests, p=popularity)].tolist())
+    trace: list[Keys] = []
+    while len(trace) < requests:
+        if rng.random() < scan_share / scan_burst:
+            for _ in range(scan_burst):
+                trace.append(tuple(new_key() for _ in range(int(rng.integers(32, 64)))))
+            continue
+        doc = doc_keys[next(picks)]
+        trace.append(tuple(doc + [new_key() for _ in range(int(rng.integers(1, 6)))]))
+    return trace[:requests], counter
+
+
+# -- drivers -----------------------------------------------------------------------------
+
+
+class KVFerryDriver:
+    """The messages the connector sends, handled as the DirectoryActor handles them;
+    ``idle`` is what the EvictorActor does between messages."""
+
+    def __init__(self, capacity: int, policy: str, **kwargs: Any) -> None:
+        self.d = Directory(capacity, policy=policy, **kwargs)
+
+    def start(self, keys: Keys) -> tuple[int, Any]:
+        d = self.d
+        n = d.lookup(keys)
+        load = d.prepare_load(keys[:n]) if n else None
+        return n, (load, d.prepare_store(keys[n:]))
+
+    def finish(self, job: Any) -> None:
+        load, store = job
+        if load is not None:
+            self.d.complete_load(load)
+        store = store[store >= 0]
+        if len(store):
+            self.d.complete_store(store, True)
+
+    def idle(self) -> None:
+        if self.d.room_short():
+            self.d.evict()
+
+
+class VLLMDriver:
+    def __init__(self, capacity: int, policy: str) -> None:
+        from vllm.v1.kv_offload.base import LookupResult, ReqContext
+        from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+
+        self.m: Any = CPUOffloadingManager(capacity, cache_policy=policy)
+        self._hit = LookupResult.HIT
+        self._ctx = ReqContext
+        self._n = 0
+
+    def start(self, keys: Keys) -> tuple[int, Any]:
+        m, hit = self.m, self._hit
+        self._n += 1
+        ctx = self._ctx(req_id=str(self._n))
+        m.on_new_request(ctx)
+        n = 0
+        for key in keys:
+            if m.lookup(key, ctx) is not hit:
+                break
+            n += 1
+        load = keys[:n]
+        if n:
+            m.prepare_load(load, ctx)
+        out = m.prepare_store(keys[n:], ctx)
+        return n, (ctx, load, out.keys_to_store if out is not None else [])
+
+    def finish(self, job: Any) -> None:
+        ctx, load, stored = job
+        if load:
+            self.m.complete_load(load, ctx)
+        if stored:
+            self.m.complete_store(stored, ctx)
+        self.m.on_request_finished(ctx)
+
+    def idle(self) -> None:
+        pass
+
+
+def replay(driver: Any, trace: Sequence[Keys], window: int) -> tuple[float, float]:
+    """(hit rate, CPU seconds) of ``trace`` through ``driver``."""
+    inflight: deque[Any] = deque()
+    hits = looked = 0
+    gc.collect()
+    t0 = time.process_time()
+    for keys in trace:
+        n, job = driver.start(keys)
+        hits += n
+        looked += len(keys)
+        inflight.append(job)
+        if len(inflight) > window:
+            driver.finish(inflight.popleft())
+        driver.idle()
+    while inflight:
+        driver.finish(inflight.popleft())
+    return hits / looked, time.process_time() - t0
+
+
+# -- memory ------------------------------------------------------------------------------
+
+
+def key(i: int) -> bytes:
+    """A 36-byte offload key: a 32-byte block hash and group 0."""
+    return hashlib.sha256(i.to_bytes(8, "big", signed=True)).digest() + b"\0\0\0\0"
+
+
+def bytes_per_block(
+    make: Callable[[int], Any], store: Callable[[Any, list[bytes]], None], n: int, batch: int = 32
+) -> tuple[float, float, float]:
+    """tracemalloc bytes per block held by a structure of ``n`` blocks in its steady state:
+    ``2n`` blocks stored first (so that ghost lists, which fill with the evictions, are
+    full), then the mean, min and max of 8 samples while ``n/2`` more are stored (dicts
+    resize and vLLM's LRU heap compacts in cycles). ``batch`` keys (about one request's)
+    per store."""
+    small = make(batch)  # warm up: lazy imports and caches are not the structure's
+    for i in range(4):
+        store(small, [key(-1 - i * batch - j) for j in range(batch)])
+    del small
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    obj = make(n)
+    samples = []
+    every = n // 16 // batch * batch
+    for first in range(0, 5 * n // 2, batch):
+        store(obj, [key(first + i) for i in range(batch)])
+        if first >= 2 * n and (first - 2 * n) % every == every - batch:
+            gc.collect()
+            samples.append((tracemalloc.get_traced_memory()[0] - base) / n)
+    tracemalloc.stop()
+    del obj
+    return sum(samples) / len(samples), min(samples), max(samples)
+
+
+def kvferry_store(d: Directory, keys: list[bytes]) -> None:
+    slots = d.prepare_store(keys)
+    d.complete_store(slots[slots >= 0], True)
+    if d.room_short():
+        d.evict()
+
+
+def vllm_store(m: Any, keys: list[bytes]) -> None:
+    from vllm.v1.kv_offload.base import ReqContext
+
+    ctx = ReqContext(req_id="mem")
+    out = m.prepare_store(keys, ctx)
+    m.complete_store(out.keys_to_store, ctx)
+    m.on_request_finished(ctx)
+
+
+def vllm_manager(n: int, policy: str) -> Any:
+    from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+
+    return CPUOffloadingManager(n, cache_policy=policy)
+
+
+# -- the index alternative ---------------------------------------------------------------
+
+
+class CompactIndex:
+    """What the directory's dict would be as a numpy table: key bytes in one matrix, a
+    :class:`~kvferry.cache._table.TagTable` from tag to slot, verified against the bytes."""
+
+    def __init__(self, n: int, key_len: int = 36) -> None:
+        self.table = TagTable(n)
+        self.keys = np.zeros((n, key_len), np.uint8)
+        self.next = 0
+
+    def insert(self, keys: list[bytes]) -> None:
+        slots = np.arange(self.next, self.next + len(keys))
+        self.next += len(keys)
+        self.keys[slots] = np.frombuffer(b"".join(keys), np.uint8).reshape(len(keys), -1)
+        self.table.insert(tags_of(keys), slots)
+
+    def find(self, keys: Sequence[bytes]) -> np.ndarray:
+        slots = self.table.values_at(self.table.find(tags_of(keys)))
+        query = np.frombuffer(b"".join(keys), np.uint8).reshape(len(keys), -1)
+        ok = (self.keys[slots] == query).all(1) & (slots >= 0)
+        return np.where(ok, slots, -1)
+
+
+def index_figures(n: int, batches: list[list[bytes]]) -> dict[str, float]:
+    """µs to resolve one request's keys, and bytes per key, dict vs compact table."""
+    out: dict[str, float] = {}
+    for name in ("dict", "compact"):
+        gc.collect()
+        tracemalloc.start()
+        base = tracemalloc.get_traced_memory()[0]
+        idx: Any = {} if name == "dict" else CompactIndex(n)
+        for i in range(0, n, 1024):
+            keys = [key(j) for j in range(i, min(n, i + 1024))]
+            if name == "dict":
+                idx.update(zip(keys, range(i, i + len(keys)), strict=True))
+            else:
+                idx.insert(keys)
+        gc.collect()
+        out[f"{name}_bytes_per_key"] = (tracemalloc.get_traced_memory()[0] - base) / n
+        tracemalloc.stop()
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.process_time()
+            for keys in batches:
+                if name == "dict":
+                    get = idx.get
+                    [get(k, -1) for k in keys]
+                else:
+                    idx.find(keys)
+            best = min(best, time.process_time() - t0)
+        out[f"{name}_us_per_request"] = best / len(batches) * 1e6
+        del idx
+    return out
+
+
+# -- main --------------------------------------------------------------------------------
+
+
+def speed_table(
+    trace: list[Keys], capacity: int, repeats: int, window: int
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Hit rate and best CPU seconds of each system on ``trace``; prints the table."""
+    systems: dict[str, Callable[[], Any]] = {
+        "kvferry lru": lambda: KVFerryDriver(capacity, "lru"),
+        "vllm lru": lambda: VLLMDriver(capacity, "lru"),
+        "kvferry arc": lambda: KVFerryDriver(capacity, "arc"),
+        "vllm arc": lambda: VLLMDriver(capacity, "arc"),
+        "kvferry s3fifo": lambda: KVFerryDriver(capacity, "s3fifo"),
+        "kvferry lru, evict inline (1,1)": lambda: KVFerryDriver(
+            capacity, "lru", watermarks=(1.0, 1.0)
+        ),
+    }
+    hit: dict[str, float] = {}
+    cpu: dict[str, float] = {name: float("inf") for name in systems}
+    for _ in range(repeats):  # interleaved, so that a noisy moment hits all alike
+        for name, make in systems.items():
+            h, t = replay(make(), trace, window)
+            hit[name] = h
+            cpu[name] = min(cpu[name], t)
+    ops = sum(map(len, trace))
+    print(f"\n{'system':34} {'hit rate':>9} {'ns/op':>9} {'vs vLLM':>8}")
+    for name in systems:
+        ref = "vllm lru" if "lru" in name else "vllm arc"
+        ratio = cpu[name] / cpu[ref]
+        print(f"{name:34} {hit[name]:9.4f} {cpu[name] / ops * 1e9:9.0f} {ratio:8.2f}")
+    return hit, cpu
+
+
+def memory_table(n: int) -> dict[str, float]:
+    """Mean bytes per block of each system at ``n`` blocks; prints the table."""
+    makers: dict[str, tuple[Callable[[int], Any], Callable[[Any, list[bytes]], None]]] = {
+        "kvferry lru": (lambda c: Directory(c, policy="lru"), kvferry_store),
+        "vllm lru": (lambda c: vllm_manager(c, "lru"), vllm_store),
+        "kvferry arc": (lambda c: Directory(c, policy="arc"), kvferry_store),
+        "vllm arc": (lambda c: vllm_manager(c, "arc"), vllm_store),
+        "kvferry s3fifo": (lambda c: Directory(c, policy="s3fifo"), kvferry_store),
+    }
+    mem: dict[str, float] = {}
+    print(f"\nbytes per block, {n} blocks held, steady state (2n stored, then n/2 more):")
+    print(f"  {'system':16} {'mean':>6} {'min':>6} {'max':>6}")
+    for name, (make, store) in makers.items():
+        mean, low, high = bytes_per_block(make, store, n)
+        mem[name] = mean
+        print(f"  {name:16} {mean:6.0f} {low:6.0f} {high:6.0f}", flush=True)
+    return mem
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a small trace, 100k blocks for memory")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--window", type=int, default=8, help="requests in flight")
+    ap.add_argument("--skip-memory", action="store_true", help="no memory figures (minutes)")
+    ap.add_argument("--skip-replay", action="store_true", help="no trace replay")
+    args = ap.parse_args()
+    requests, docs = (3_000, 800) if args.quick else (20_000, 5_000)
+    trace, distinct = make_trace(requests=requests, docs=docs)
+    capacity = int(0.3 * distinct)
+    print(
+        f"trace: {len(trace)} requests, {sum(map(len, trace))} block-ops, "
+        f"{distinct} distinct blocks, capacity {capacity} blocks"
+    )
+    hit: dict[str, float] = {}
+    cpu: dict[str, float] = {}
+    if not args.skip_replay:
+        hit, cpu = speed_table(trace, capacity, args.repeats, args.window)
+    n = 100_000 if args.quick else 1_000_000
+    mem_ratio: dict[str, float | None] = {"lru": None, "arc": None}
+    if not args.skip_memory:
+        mem = memory_table(n)
+        mem_ratio = {p: round(mem[f"kvferry {p}"] / mem[f"vllm {p}"], 3) for p in ("lru", "arc")}
+        idx = index_figures(n, [list(keys) for keys in trace[:2000]])
+        print(
+            f"\nkey index, {n} keys: dict {idx['dict_bytes_per_key']:.0f} B/key, "
+            f"{idx['dict_us_per_request']:.1f} us/request; compact numpy table "
+            f"{idx['compact_bytes_per_key']:.0f} B/key, "
+            f"{idx['compact_us_per_request']:.1f} us/request"
+        )
+    def ratio(a: str, b: str) -> float | None:
+        return round(cpu[a] / cpu[b], 3) if cpu else None
+
+    def rate(name: str) -> float | None:
+        return round(hit[name], 4) if hit else None
+
+    print(
+        json.dumps(
+            {
+                "ns_per_op_vs_vllm_lru": ratio("kvferry lru", "vllm lru"),
+                "ns_per_op_vs_vllm_arc": ratio("kvferry arc", "vllm arc"),
+                "bytes_per_block_vs_vllm": mem_ratio["lru"],
+                "bytes_per_block_vs_vllm_arc": mem_ratio["arc"],
+                "hit_rate_lru": rate("kvferry lru"),
+                "hit_rate_arc": rate("kvferry arc"),
+                "hit_rate_s3fifo": rate("kvferry s3fifo"),
+                "hit_rate_vllm_lru": rate("vllm lru"),
+                "hit_rate_vllm_arc": rate("vllm arc"),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

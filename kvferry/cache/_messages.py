@@ -1,0 +1,170 @@
+"""Messages of the host tier's actors: DirectoryActor, EvictorActor, PublisherActor.
+
+One module for the three, because they talk to each other (the directory tells the evictor
+that room is low, the evictor asks the directory to evict, the directory hands its events
+to the publisher). Commands are imperative, facts past tense; an ask carries its reply.
+"""
+
+from __future__ import annotations
+
+from typing import TypeAlias
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from ..actors import ActorRef, Reply
+from ._directory import Key
+from ._events import KVEvent
+from ._statistics import DirectoryStatistics
+
+
+def _i64(a: npt.ArrayLike) -> npt.NDArray[np.int64]:
+    view = np.asarray(a, dtype=np.int64).view()
+    view.flags.writeable = False
+    return view
+
+
+# -- DirectoryActor ----------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class Lookup:
+    """How many leading keys are stored and ready."""
+
+    keys: tuple[Key, ...]
+    reply: Reply[int] = attrs.field(eq=False, repr=False)
+
+
+@attrs.frozen(kw_only=True)
+class PrepareLoad:
+    """Pin the slots of ``keys`` for a load; answers their slots, or None if any is not ready."""
+
+    keys: tuple[Key, ...]
+    reply: Reply[npt.NDArray[np.int64] | None] = attrs.field(eq=False, repr=False)
+
+
+@attrs.frozen(kw_only=True)
+class CompleteLoad:
+    """A load finished (or failed): unpin its slots."""
+
+    slots: npt.NDArray[np.int64] = attrs.field(converter=_i64, eq=False)
+
+
+@attrs.frozen(kw_only=True)
+class PrepareStore:
+    """Reserve a slot per key; answers the slots, -1 for a skipped key."""
+
+    keys: tuple[Key, ...]
+    reply: Reply[npt.NDArray[np.int64]] = attrs.field(eq=False, repr=False)
+
+
+@attrs.frozen(kw_only=True)
+class CompleteStore:
+    """A store finished: its keys become lookup hits if ``ok``, else they are dropped."""
+
+    slots: npt.NDArray[np.int64] = attrs.field(converter=_i64, eq=False)
+    ok: bool
+
+
+@attrs.frozen(kw_only=True)
+class Touch:
+    """A request finished having used these keys (head first): recency for the policy.
+
+    Send it from ``request_finished`` with the request's keys, as vLLM's manager applies
+    recency at ``on_request_finished``; absent keys are ignored.
+    """
+
+    keys: tuple[Key, ...]
+
+
+@attrs.frozen(kw_only=True)
+class ClearAll:
+    """Drop every ready, unpinned key; answers the dropped keys (BlocksRemoved events)."""
+
+    reply: Reply[list[Key]] = attrs.field(eq=False, repr=False)
+
+
+@attrs.frozen(kw_only=True)
+class ResetCache:
+    """Forget every key (``reset_prefix_cache``); answers how many ready blocks were dropped.
+
+    Emits one AllBlocksCleared. Blocks in flight are freed when their jobs end.
+    """
+
+    reply: Reply[int] = attrs.field(eq=False, repr=False)
+
+
+@attrs.frozen(kw_only=True)
+class TakeEvents:
+    """Answers the KV events of every message sent before this one, batched."""
+
+    reply: Reply[list[KVEvent]] = attrs.field(eq=False, repr=False)
+
+
+@attrs.frozen(kw_only=True)
+class EvictSome:
+    """Evict towards the low watermark, at most ``max_blocks`` (None: all the way);
+    answers how many were evicted. The evictor sends it."""
+
+    max_blocks: int | None
+    reply: Reply[int] = attrs.field(eq=False, repr=False)
+
+
+@attrs.frozen(kw_only=True)
+class AttachEvictor:
+    """From now on, tell ``evictor`` when occupancy passes the high watermark."""
+
+    evictor: ActorRef[EvictorMsg] = attrs.field(eq=False)
+
+
+@attrs.frozen(kw_only=True)
+class GetStatistics:
+    reply: Reply[DirectoryStatistics] = attrs.field(eq=False, repr=False)
+
+
+DirectoryMsg: TypeAlias = (
+    Lookup
+    | PrepareLoad
+    | CompleteLoad
+    | PrepareStore
+    | CompleteStore
+    | Touch
+    | ClearAll
+    | ResetCache
+    | TakeEvents
+    | EvictSome
+    | AttachEvictor
+    | GetStatistics
+)
+
+
+# -- EvictorActor ------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class RoomLow:
+    """Fact, from the directory: occupancy passed the high watermark."""
+
+
+EvictorMsg: TypeAlias = RoomLow
+
+
+# -- PublisherActor ----------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class Publish:
+    """Events the directory recorded while handling one message, in order."""
+
+    events: tuple[KVEvent, ...]
+
+
+@attrs.frozen(kw_only=True)
+class Drain:
+    """Answers every event published since the last Drain, batched (one engine step's)."""
+
+    reply: Reply[list[KVEvent]] = attrs.field(eq=False, repr=False)
+
+
+PublisherMsg: TypeAlias = Publish | Drain

@@ -1,0 +1,301 @@
+"""Compact hash tables in numpy, for fingerprints of millions of keys without a Python
+object per entry.
+
+:class:`TagTable` maps nonzero 64-bit tags to int32 values. It is open addressing over
+buckets of :data:`WIDTH` entries (one 64-byte cache line of tags): a tag lives in its home
+bucket, or — when that bucket is full — in the next bucket with room. Every bucket an insert
+passes over counts it in ``_over``, so a search stops at the first bucket that never
+overflowed, and a removal gives the counts back; no tombstones, no rehash. All operations
+take and return arrays, one numpy pass per probe round (almost always one round).
+
+:class:`FingerprintQueue` is a bounded FIFO set of tags with an optional int32 payload,
+on a ring plus a :class:`TagTable`, its memory following its size: the ghost lists (ARC,
+S3-FIFO) and the admission counter use it. (``benchmarks/bookkeeping.py`` also measures a
+:class:`TagTable` as the directory's key index, against the dict the directory uses.)
+
+Tags are Python's ``hash()`` of the key bytes, ``| 1`` so that 0 means empty. ``hash()``
+of bytes is salted per process: fine here, these tables live in one process and nothing in
+them is persisted or compared across processes (DESIGN §4.8 is about the keys themselves).
+Equal tags of different keys are possible (2^-63 per pair): the ghost lists and the
+admission counter accept such a false match, which only misleads a policy hint.
+
+Who owns what: an instance belongs to one owner (a policy, or the directory) and is
+single-threaded, like its owner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+I64 = npt.NDArray[np.int64]
+
+WIDTH = 8
+"""Entries per bucket."""
+
+_BYTES = 0x0101010101010101
+
+
+def _first_set(rows: npt.NDArray[np.bool_]) -> tuple[npt.NDArray[np.bool_], I64]:
+    """For (n, 8) bool rows: whether any is set, and the column of the first set one.
+
+    A row of 8 bools is one little-endian uint64 (column i is byte i): a few ops on n
+    integers instead of a reduction along a short axis, which numpy does slowly.
+    """
+    v = rows.view("<u8").ravel().astype(np.uint64)
+    lowest = v & (~v + np.uint64(1))
+    col = (np.bitwise_count(lowest - np.uint64(1)) >> 3).astype(np.int64)
+    return v != 0, col
+
+
+def _nth_set(rows: npt.NDArray[np.bool_], n: I64) -> tuple[npt.NDArray[np.bool_], I64]:
+    """For (k, 8) bool rows: whether row i has more than ``n[i]`` set, and the column of
+    its ``n[i]``-th (from 0) set one. Byte-wise prefix sums by one multiplication."""
+    v = rows.view("<u8").ravel().astype(np.uint64)
+    prefix = (v * np.uint64(_BYTES)).astype("<u8")  # byte i: set ones in columns 0..i
+    fits = n < (prefix >> np.uint64(56)).astype(np.int64)
+    before = prefix.view(np.uint8).reshape(-1, WIDTH) <= n[:, None].astype(np.uint8)
+    col = ((before.view("<u8").ravel() * np.uint64(_BYTES)) >> np.uint64(56)).astype(np.int64)
+    return fits, col
+
+
+def tags_of(keys: Sequence[bytes]) -> I64:
+    """The table tag of each key: its ``hash()`` (cached on the bytes object), made nonzero."""
+    tags = np.fromiter(map(hash, keys), np.int64, len(keys))
+    tags |= 1
+    return tags
+
+
+class TagTable:
+    """Nonzero int64 tag → int32 value, for up to ``capacity`` live entries.
+
+    The table never grows: inserting beyond ``capacity`` is a caller bug (asserted).
+    Duplicate tags are allowed; :meth:`find` returns one of them.
+    """
+
+    def __init__(self, capacity: int, *, max_load: float = 0.5) -> None:
+        assert capacity > 0 and 0 < max_load <= 1
+        # Any bucket count (a modulo, not a mask): no power-of-two rounding of the memory.
+        nb = max(1, -(-int(capacity / max_load) // WIDTH))
+        self.capacity = capacity
+        self._nb = nb
+        self._tags = np.zeros((nb, WIDTH), np.int64)
+        self._vals = np.full((nb, WIDTH), -1, np.int32)
+        self._over = np.zeros(nb, np.int32)
+        self.size = 0
+
+    @property
+    def num_buckets(self) -> int:
+        return self._nb
+
+    def home(self, tags: I64) -> I64:
+        """The bucket each tag belongs in."""
+        out: I64 = (tags >> 1) % self._nb
+        return out
+
+    def values_at(self, pos: I64) -> I64:
+        """Values at flat positions from :meth:`find` (-1 where ``pos`` is -1)."""
+        vals: I64 = self._vals.reshape(-1)[pos].astype(np.int64)
+        vals[pos < 0] = -1
+        return vals
+
+    def set_values_at(self, pos: I64, values: npt.ArrayLike) -> None:
+        self._vals.reshape(-1)[pos] = values
+
+    def find(self, tags: I64) -> I64:
+        """Flat position of each tag, -1 where absent."""
+        if not self.size:
+            return np.full(len(tags), -1, np.int64)
+        home = self.home(tags)
+        hit, col = _first_set(self._tags[home] == tags[:, None])
+        pos: I64 = home * WIDTH + col
+        if hit.all():
+            return pos
+        pos[~hit] = -1
+        # Search on only where the home bucket once overflowed (rare at max_load 0.5).
+        todo = np.flatnonzero(~hit)
+        todo = todo[self._over[home[todo]] > 0]
+        bucket = home
+        while len(todo):
+            bucket[todo] = (bucket[todo] + 1) % self._nb
+            b = bucket[todo]
+            hit, col = _first_set(self._tags[b] == tags[todo, None])
+            pos[todo[hit]] = b[hit] * WIDTH + col[hit]
+            todo = todo[~hit]
+            todo = todo[self._over[bucket[todo]] > 0]
+        return pos
+
+    def insert(self, tags: I64, values: npt.ArrayLike) -> I64:
+        """Insert each (tag, value); returns their flat positions. Tags must be nonzero."""
+        vals = np.asarray(values, np.int32)
+        n = len(tags)
+        assert self.size + n <= self.capacity, "TagTable over capacity"
+        pos = np.empty(n, np.int64)
+        bucket = self.home(tags)
+        todo = np.arange(n)
+        while len(todo):
+            # The i-th tag (in this round) of a bucket takes the bucket's i-th free cell;
+            # those that find none spill to the next bucket, counted in its ``_over``.
+            order = np.argsort(bucket[todo], kind="stable")
+            todo = todo[order]
+            b = bucket[todo]
+            new_run = np.empty(len(b), bool)
+            new_run[0] = True
+            np.not_equal(b[1:], b[:-1], out=new_run[1:])
+            run_start = np.maximum.accumulate(np.where(new_run, np.arange(len(b)), 0))
+            rank = np.minimum(np.arange(len(b)) - run_start, WIDTH)
+            fits, col = _nth_set(self._tags[b] == 0, rank)
+            s, bf, col = todo[fits], b[fits], col[fits]
+            self._tags[bf, col] = tags[s]
+            self._vals[bf, col] = vals[s]
+            pos[s] = bf * WIDTH + col
+            todo = todo[~fits]
+            if len(todo):
+                np.add.at(self._over, bucket[todo], 1)
+                bucket[todo] = (bucket[todo] + 1) % self._nb
+        self.size += n
+        return pos
+
+    def remove_at(self, pos: I64) -> None:
+        """Empty the entries at flat positions ``pos`` (each live, each once)."""
+        if not len(pos):
+            return
+        flat_tags = self._tags.reshape(-1)
+        tags = flat_tags[pos]
+        assert (tags != 0).all(), "TagTable.remove_at of an empty entry"
+        home = self.home(tags)
+        bucket = pos // WIDTH
+        # An entry stored past its home bucket counted itself in every bucket it skipped.
+        moved = home != bucket
+        for h, b in zip(home[moved].tolist(), bucket[moved].tolist(), strict=True):
+            while h != b:
+                self._over[h] -= 1
+                h = (h + 1) % self._nb
+        flat_tags[pos] = 0
+        self._vals.reshape(-1)[pos] = -1
+        self.size -= len(pos)
+
+    def clear(self) -> None:
+        self._tags.fill(0)
+        self._vals.fill(-1)
+        self._over.fill(0)
+        self.size = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self._tags.nbytes + self._vals.nbytes + self._over.nbytes
+
+
+class FingerprintQueue:
+    """A FIFO set of at most ``capacity`` tags, each with an optional int32 payload.
+
+    :meth:`push` appends at the young end; :meth:`trim` drops from the old end. Removing a
+    member (:meth:`discard`) leaves a hole in the ring that the old end skips; the ring is
+    compacted when holes fill it, so every operation is amortized O(1) per tag. Memory
+    follows the members: it starts small and doubles up to ``capacity``.
+    """
+
+    def __init__(self, capacity: int, *, payload: bool = False, initial: int = 1024) -> None:
+        assert capacity > 0
+        self.capacity = capacity
+        self._has_payload = payload
+        self.size = 0  # live members
+        self._allocate(min(capacity, initial))
+
+    def _allocate(self, room: int) -> None:
+        self._room = room
+        self._ring_size = room + max(room // 8, 16)
+        self._ring = np.zeros(self._ring_size, np.int64)  # tag, 0 for a hole
+        self._payload = np.zeros(self._ring_size if self._has_payload else 0, np.int32)
+        self._table = TagTable(room + 1, max_load=0.6)
+        self._head = 0  # ring index of the oldest entry
+        self._len = 0  # ring entries from head, holes included
+
+    def __len__(self) -> int:
+        return self.size
+
+    def find(self, tags: I64) -> I64:
+        """Ring index of each tag, -1 where it is not a member."""
+        return self._table.values_at(self._table.find(tags))
+
+    def payload(self, ring_idx: I64) -> npt.NDArray[np.int32]:
+        assert self._has_payload
+        return self._payload[ring_idx]
+
+    def discard(self, tags: I64) -> npt.NDArray[np.bool_]:
+        """Remove the members among ``tags``; returns which were members."""
+        pos = self._table.find(tags)
+        hit = pos >= 0
+        if hit.any():
+            # A tag given twice is one member: remove its entry once.
+            pos = np.unique(pos[hit])
+            idx = self._table.values_at(pos)
+            self._table.remove_at(pos)
+            self._ring[idx] = 0
+            self.size -= len(pos)
+        return hit
+
+    def push(self, tags: I64, payload: npt.ArrayLike = 0) -> None:
+        """Append ``tags`` (not members, distinct) as the youngest, then trim to capacity."""
+        n = len(tags)
+        if n == 0:
+            return
+        payload = np.broadcast_to(np.asarray(payload, np.int32), (n,))
+        if n > self.capacity:  # only the youngest can stay
+            tags, payload, n = tags[-self.capacity :], payload[-self.capacity :], self.capacity
+        self.trim(self.capacity - n)
+        if self.size + n > self._room:
+            self._compact(min(self.capacity, max(2 * self._room, self.size + n)))
+        elif self._len + n > self._ring_size:
+            self._compact(self._room)
+        idx = (self._head + self._len + np.arange(n)) % self._ring_size
+        self._ring[idx] = tags
+        if self._has_payload:
+            self._payload[idx] = payload
+        self._table.insert(tags, idx)
+        self._len += n
+        self.size += n
+
+    def trim(self, max_size: int) -> None:
+        """Drop the oldest members until at most ``max_size`` remain."""
+        while self.size > max_size:
+            excess = self.size - max_size
+            # Look at just enough of the old end: at least ``excess`` entries, holes skipped.
+            span = min(self._len, excess + 64)
+            idx = (self._head + np.arange(span)) % self._ring_size
+            live = self._ring[idx] != 0
+            cut = span
+            if live.sum() > excess:
+                cut = int(np.flatnonzero(live)[excess - 1]) + 1
+            drop = idx[:cut][live[:cut]]
+            if len(drop):
+                self._table.remove_at(self._table.find(self._ring[drop]))
+                self._ring[drop] = 0
+                self.size -= len(drop)
+            self._head = (self._head + cut) % self._ring_size
+            self._len -= cut
+
+    def _compact(self, room: int) -> None:
+        """Rewrite the members, oldest first, into fresh arrays with ``room``."""
+        idx = (self._head + np.arange(self._len)) % self._ring_size
+        idx = idx[self._ring[idx] != 0]
+        tags = self._ring[idx]
+        payload = self._payload[idx] if self._has_payload else None
+        self._allocate(room)
+        n = len(tags)
+        if n:
+            self._ring[:n] = tags
+            if payload is not None:
+                self._payload[:n] = payload
+            self._table.insert(tags, np.arange(n))
+        self._len = self.size = n
+
+    def clear(self) -> None:
+        self.size = 0
+        self._allocate(min(self.capacity, 1024))
+
+    @property
+    def nbytes(self) -> int:
+        return self._ring.nbytes + self._payload.nbytes + self._table.nbytes

@@ -1,0 +1,94 @@
+"""The host tier's actors: directory messages, the evictor's watermarks, events per step."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from kvferry.actors import ActorSystem
+from kvferry.cache import (
+    AllBlocksCleared,
+    BlocksRemoved,
+    BlocksStored,
+    ClearAll,
+    CompleteLoad,
+    CompleteStore,
+    DirectoryActor,
+    GetStatistics,
+    Lookup,
+    PrepareLoad,
+    PrepareStore,
+    ResetCache,
+    TakeEvents,
+    Touch,
+    spawn_host_tier,
+)
+from kvferry.cache._testing import key as k
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_directory_actor_answers_each_message() -> None:
+    async with ActorSystem() as system:
+        ref = await system.spawn(DirectoryActor(4))
+        slots = await ref.ask(lambda r: PrepareStore(keys=(k(1), k(2)), reply=r))
+        assert await ref.ask(lambda r: Lookup(keys=(k(1),), reply=r)) == 0
+        await ref.tell(CompleteStore(slots=slots, ok=True))
+        assert await ref.ask(lambda r: Lookup(keys=(k(1), k(2)), reply=r)) == 2
+        pinned = await ref.ask(lambda r: PrepareLoad(keys=(k(2),), reply=r))
+        assert pinned is not None and list(pinned) == [slots[1]]
+        stats = await ref.ask(GetStatistics)
+        assert stats.pinned == 1 and stats.ready == 2
+        await ref.tell(CompleteLoad(slots=pinned))
+        await ref.tell(Touch(keys=(k(2), k(1))))
+        stats = await ref.ask(GetStatistics)
+        assert stats.pinned == 0
+        assert await ref.ask(ClearAll) == [k(1), k(2)]
+
+
+async def test_the_evictor_brings_occupancy_down_to_the_low_watermark() -> None:
+    async with ActorSystem() as system:
+        tier = await spawn_host_tier(system, 10, watermarks=(0.5, 0.9))
+        d = tier.directory
+        for i in range(10):
+            slots = await d.ask(lambda r, i=i: PrepareStore(keys=(k(i),), reply=r))
+            await d.tell(CompleteStore(slots=slots, ok=True))
+        await anyio.wait_all_tasks_blocked()
+        stats = await d.ask(GetStatistics)
+        assert stats.used == 5 and stats.evictions == 5
+        assert stats.evictions_inline == 0
+
+
+async def test_take_events_batches_what_every_earlier_message_changed() -> None:
+    async with ActorSystem() as system:
+        tier = await spawn_host_tier(system, 2, watermarks=(1.0, 1.0), events=True)
+        d = tier.directory
+        for i in range(3):
+            slots = await d.ask(lambda r, i=i: PrepareStore(keys=(k(i),), reply=r))
+            await d.tell(CompleteStore(slots=slots, ok=True))
+        assert await d.ask(TakeEvents) == [
+            BlocksStored(keys=[k(0), k(1)]),  # two messages, one batch
+            BlocksRemoved(keys=[k(0)]),
+            BlocksStored(keys=[k(2)]),
+        ]
+        assert await d.ask(TakeEvents) == []
+
+
+async def test_reset_cache_clears_the_tier_and_says_so() -> None:
+    async with ActorSystem() as system:
+        tier = await spawn_host_tier(system, 4, events=True)
+        d = tier.directory
+        slots = await d.ask(lambda r: PrepareStore(keys=(k(1), k(2)), reply=r))
+        await d.tell(CompleteStore(slots=slots, ok=True))
+        assert await d.ask(ResetCache) == 2
+        assert await d.ask(lambda r: Lookup(keys=(k(1),), reply=r)) == 0
+        assert await d.ask(TakeEvents) == [AllBlocksCleared()]
+
+
+async def test_without_a_publisher_take_events_answers_nothing() -> None:
+    async with ActorSystem() as system:
+        tier = await spawn_host_tier(system, 4)
+        slots = await tier.directory.ask(lambda r: PrepareStore(keys=(k(1),), reply=r))
+        await tier.directory.tell(CompleteStore(slots=slots, ok=True))
+        assert tier.publisher is None
+        assert await tier.directory.ask(TakeEvents) == []

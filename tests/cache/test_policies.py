@@ -1,0 +1,118 @@
+"""Eviction policies: what each keeps, how each is chosen."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvferry import ConfigError
+from kvferry.cache import ARCPolicy, Directory, LRUPolicy, S3FIFOPolicy, make_policy
+from kvferry.cache._testing import key as k
+
+
+def store(d: Directory, keys: list[bytes]) -> None:
+    slots = d.prepare_store(keys)
+    d.complete_store(slots[slots >= 0], ok=True)
+
+
+def use(d: Directory, keys: list[bytes]) -> None:
+    slots = d.prepare_load(keys)
+    assert slots is not None
+    d.complete_load(slots)
+
+
+def hot_survivors(policy: str) -> int:
+    """Store 4 hot blocks, reuse them, then scan 40 one-off blocks through a tier of 10."""
+    d = Directory(10, policy=policy, watermarks=(1.0, 1.0))
+    hot = [k(i) for i in range(4)]
+    store(d, hot)
+    use(d, hot)
+    use(d, hot)
+    for i in range(100, 140, 2):
+        store(d, [k(i), k(i + 1)])
+    return sum(d.lookup([h]) for h in hot)
+
+
+def test_lru_loses_the_hot_blocks_to_a_scan() -> None:
+    assert hot_survivors("lru") == 0
+
+
+@pytest.mark.parametrize("policy", ["arc", "s3fifo"])
+def test_scan_resistant_policies_keep_the_hot_blocks(policy: str) -> None:
+    assert hot_survivors(policy) == 4
+
+
+def test_arc_grows_its_recency_side_after_a_ghost_hit_in_b1() -> None:
+    d = Directory(2, policy="arc", watermarks=(1.0, 1.0))
+    store(d, [k(1)])
+    store(d, [k(2)])
+    store(d, [k(3)])  # k(1) leaves T1 for the ghost list B1
+    assert d.statistics().policy_stats["b1"] == 1
+    store(d, [k(1)])  # back: recency was cut too short
+    stats = d.statistics().policy_stats
+    assert stats["ghost_hits_b1"] == 1 and stats["target_t1"] == 1.0
+
+
+def test_s3fifo_sends_a_returning_block_straight_to_main() -> None:
+    d = Directory(10, policy="s3fifo", watermarks=(1.0, 1.0))
+    store(d, [k(i) for i in range(10)])
+    store(d, [k(10)])  # k(0), never reused, leaves S for the ghost
+    assert d.lookup([k(0)]) == 0
+    store(d, [k(0)])
+    stats = d.statistics().policy_stats
+    assert stats["ghost_hits"] == 1 and stats["main"] == 1
+
+
+def test_s3fifo_promotes_a_block_reused_while_small() -> None:
+    d = Directory(10, policy="s3fifo", watermarks=(1.0, 1.0))
+    store(d, [k(i) for i in range(10)])
+    use(d, [k(0)])
+    store(d, [k(10)])
+    assert d.lookup([k(0)]) == 1 and d.lookup([k(1)]) == 0
+    assert d.statistics().policy_stats["promotions"] == 1
+
+
+def test_a_policy_never_offers_a_pinned_block() -> None:
+    for policy in ("lru", "arc", "s3fifo"):
+        d = Directory(4, policy=policy, watermarks=(1.0, 1.0))
+        store(d, [k(i) for i in range(4)])
+        pinned = d.prepare_load([k(0), k(1), k(2), k(3)])
+        assert list(d.prepare_store([k(9)])) == [-1], policy
+        assert pinned is not None
+        d.complete_load(pinned)
+        assert d.prepare_store([k(9)])[0] >= 0, policy
+
+
+def test_make_policy_by_name_import_path_or_instance() -> None:
+    assert isinstance(make_policy("lru", 4), LRUPolicy)
+    assert isinstance(make_policy("S3FIFO", 4), S3FIFOPolicy)
+    assert isinstance(make_policy("kvferry.cache:ARCPolicy", 4), ARCPolicy)
+    mine = ARCPolicy(4)
+    assert make_policy(mine, 4) is mine
+
+
+def test_a_class_that_is_not_a_policy_is_refused() -> None:
+    with pytest.raises(ConfigError, match="lacks"):
+        make_policy("fractions:Fraction", 4)
+
+
+def test_victims_are_the_oldest_evictable_slots_oldest_first() -> None:
+    lru = LRUPolicy(6)
+    lru.admit(np.array([0, 1, 2]), np.zeros(3, np.int64))  # 0 is the head: newest
+    lru.admit(np.array([3, 4, 5]), np.zeros(3, np.int64))
+    evictable = np.ones(6, bool)
+    evictable[2] = False
+    assert lru.victims(3, evictable, np.zeros(0, np.int64)).tolist() == [1, 0, 5]
+
+
+def test_recency_renumbers_before_its_int32_stamps_overflow() -> None:
+    from kvferry.cache._policy import Recency
+
+    r = Recency(4)
+    r.max_clock = 20  # renumber early, to see it happen
+    for _ in range(10):
+        r.stamp(np.array([3, 2]))  # 3 the head: newer than 2
+    r.stamp(np.array([1]))
+    r.stamp(np.array([0]))
+    assert r.oldest(4, np.arange(4)).tolist() == [2, 3, 1, 0]
+    assert r.clock == 5  # renumbered: ranks 1..4

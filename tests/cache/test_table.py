@@ -1,0 +1,87 @@
+"""The numpy tag table and fingerprint queue against dicts, including bucket overflow."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvferry.cache._table import WIDTH, FingerprintQueue, TagTable
+
+SETTINGS = settings(max_examples=80, derandomize=True, database=None, deadline=None)
+
+
+def tags(values: list[int]) -> np.ndarray:
+    return np.asarray(values, np.int64) | 1
+
+
+@SETTINGS
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 40)), max_size=120))
+def test_tag_table_maps_like_a_dict(ops: list[tuple[bool, int]]) -> None:
+    table = TagTable(32, max_load=1.0)  # 4 buckets of 8
+    nb = table.num_buckets
+
+    def tag_of(raw: int) -> int:
+        # A third of the tags crowd bucket 0, so buckets overflow into their neighbours
+        # and removals must give the overflow counts back.
+        return ((raw * nb if raw % 3 == 0 else raw) << 1) | 1
+
+    universe = tags([tag_of(r) for r in range(41)] + [tag_of(r) + 2 * nb for r in range(41)])
+    ref: dict[int, int] = {}
+    for insert, raw in ops:
+        t = tag_of(raw)
+        if insert and t not in ref and len(ref) < 32:
+            table.insert(tags([t]), [raw])
+            ref[t] = raw
+        elif not insert and t in ref:
+            table.remove_at(table.find(tags([t])))
+            del ref[t]
+        found = table.values_at(table.find(universe)).tolist()
+        assert found == [ref.get(int(u), -1) for u in universe]
+    assert table.size == len(ref)
+    if not ref:
+        assert int(table._over.sum()) == 0
+
+
+def test_a_batch_insert_into_one_bucket_spills_to_the_next() -> None:
+    table = TagTable(4 * WIDTH, max_load=1.0)
+    nb = table.num_buckets
+    same_home = tags([(i * nb) << 1 for i in range(WIDTH + 3)])
+    table.insert(same_home, np.arange(len(same_home)))
+    assert table.values_at(table.find(same_home)).tolist() == list(range(WIDTH + 3))
+    table.remove_at(table.find(same_home[WIDTH:]))
+    assert int(table._over.sum()) == 0
+    assert (table.find(same_home[WIDTH:]) == -1).all()
+
+
+@SETTINGS
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["push", "discard", "trim"]), st.integers(1, 60)), max_size=80
+    )
+)
+def test_fingerprint_queue_is_a_bounded_fifo_set(ops: list[tuple[str, int]]) -> None:
+    q = FingerprintQueue(20, payload=True, initial=4)
+    ref: OrderedDict[int, int] = OrderedDict()
+    for op, v in ops:
+        t = v * 2 + 1
+        if op == "push" and t not in ref:
+            q.push(tags([t]), v)
+            ref[t] = v
+            while len(ref) > 20:
+                ref.popitem(last=False)
+        elif op == "discard":
+            assert q.discard(tags([t])).tolist() == [t in ref]
+            ref.pop(t, None)
+        elif op == "trim":
+            q.trim(v % 20)
+            while len(ref) > v % 20:
+                ref.popitem(last=False)
+        assert len(q) == len(ref)
+        probe = tags(list(range(1, 130, 2)))
+        idx = q.find(probe)
+        payload = q.payload(np.maximum(idx, 0))
+        members = {int(p): int(payload[i]) for i, p in enumerate(probe) if idx[i] >= 0}
+        assert members == dict(ref)
