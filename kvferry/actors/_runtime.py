@@ -169,6 +169,19 @@ def ref_method(fn: Callable[..., Awaitable[Any]]) -> tuple[ActorRef[Any], str] |
     return None
 
 
+def route_ref_call(runtime: Any, fn: Callable[..., Awaitable[Any]], args: tuple[Any, ...]) -> tuple[bool, Any]:
+    """``(True, result)`` when ``fn(*args)`` is ``ref.ask(make)`` / ``ref.tell(msg)``, sent
+    the short way through ``runtime.ask`` / ``runtime.tell``; ``(False, None)`` otherwise."""
+    routed = ref_method(fn)
+    if routed is None or len(args) != 1:
+        return False, None
+    ref, kind = routed
+    if kind == "ask":
+        return True, runtime.ask(ref, args[0])
+    runtime.tell(ref, args[0])
+    return True, None
+
+
 def _loop_running_here() -> bool:
     try:
         asyncio.get_running_loop()

@@ -40,7 +40,7 @@ from ._runtime import (
     _Call,
     _Deliver,
     _loop_running_here,
-    ref_method,
+    route_ref_call,
     run_call,
     send_waiting,
 )
@@ -236,13 +236,9 @@ class SteppedRuntime:
         Raises what ``fn`` raised; :class:`~kvferry.ActorCrashed` if an actor of the
         system was escalated; :class:`~kvferry.ActorStopped` once the runtime is closed.
         """
-        routed = ref_method(fn)
-        if routed is not None and len(args) == 1:
-            ref, kind = routed
-            if kind == "ask":
-                return self.ask(ref, args[0])  # type: ignore[no-any-return]
-            self.tell(ref, args[0])
-            return None  # type: ignore[return-value]
+        routed, value = route_ref_call(self, fn, args)
+        if routed:
+            return value  # type: ignore[no-any-return]
         self._check_open()
         call = _Call(fn, args)
         self._submit(call)

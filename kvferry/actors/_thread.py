@@ -29,7 +29,7 @@ from opentelemetry import trace
 from .._errors import ActorCrashed, ActorStopped
 from .._logging import get_logger
 from ._base import ActorRef, MakeAsk
-from ._runtime import Setup, _Call, _Deliver, ref_method, run_call, send_waiting
+from ._runtime import Setup, _Call, _Deliver, route_ref_call, run_call, send_waiting
 from ._system import ActorSystem, ShutdownReport
 
 T = TypeVar("T")
@@ -194,13 +194,9 @@ class ThreadRuntime:
         Raises what ``fn`` raised; :class:`~kvferry.ActorCrashed` if an actor of the
         system was escalated; :class:`~kvferry.ActorStopped` once the runtime is closed.
         """
-        routed = ref_method(fn)
-        if routed is not None and len(args) == 1:
-            ref, kind = routed
-            if kind == "ask":
-                return self.ask(ref, args[0])  # type: ignore[no-any-return]
-            self.tell(ref, args[0])
-            return None  # type: ignore[return-value]
+        routed, value = route_ref_call(self, fn, args)
+        if routed:
+            return value  # type: ignore[no-any-return]
         self._check_open()
         call = _Call(fn, args, lock=threading.Lock())
         call.lock.acquire()
