@@ -111,9 +111,7 @@ class FerryConfig:
         extra = dict(extra or {})
         unknown = sorted(set(extra) - set(cls.KEYS))
         if unknown:
-            raise ConfigError(
-                unknown[0], f"unknown key (known keys: {', '.join(cls.KEYS)})"
-            )
+            raise ConfigError(unknown[0], f"unknown key (known keys: {', '.join(cls.KEYS)})")
         if "cpu_bytes_to_use" not in extra:
             raise ConfigError("cpu_bytes_to_use", "is required (bytes of host memory to use)")
         cpu_bytes = _positive_int("cpu_bytes_to_use", extra["cpu_bytes_to_use"])
@@ -142,11 +140,15 @@ class FerryConfig:
 
         policy = extra.get("eviction_policy", "lru")
         if not isinstance(policy, str):
-            raise ConfigError("eviction_policy", f"must be a name or an import path, got {policy!r}")
+            raise ConfigError(
+                "eviction_policy", f"must be a name or an import path, got {policy!r}"
+            )
         make_policy(policy, 1)  # raises a ConfigError naming eviction_policy
         watermarks = check_watermarks(extra.get("eviction_watermarks", (0.97, 0.99)))
         threshold = check_store_threshold(extra.get("store_threshold", 1))
-        tracker = _positive_int("store_threshold_tracker_size", extra.get("store_threshold_tracker_size", 64_000))
+        tracker = _positive_int(
+            "store_threshold_tracker_size", extra.get("store_threshold_tracker_size", 64_000)
+        )
         traces = extra.get("traces")
         if traces is not None:
             from .traces import resolve_config

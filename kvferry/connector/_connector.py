@@ -103,7 +103,9 @@ class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):
         return None  # loads are asynchronous: a request runs only once its load ended
 
     @override
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         return None  # stores are per step, in wait_for_save
 
     @override
@@ -136,12 +138,16 @@ class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler.on_new_request(request)
 
     @override
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     @override
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         assert self._scheduler is not None
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
@@ -156,7 +162,9 @@ class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler.update_connector_output(connector_output)
 
     @override
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, (block_ids,))
 
@@ -184,7 +192,9 @@ class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     @override
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
         return KVFerryStats(data)
 
     @classmethod

@@ -57,4 +57,3 @@ class KVFerryWorkerMetadata(KVConnectorWorkerMetadata):
         for k, v in other.stats.items():
             stats[k] = stats.get(k, 0.0) + v
         return KVFerryWorkerMetadata(acks=acks, stats=stats)
-

@@ -12,25 +12,20 @@ offloading uses, deterministic across processes of one engine.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
-
-import time
 
 import attrs
 import numpy as np
 import numpy.typing as npt
 
+from .. import traces
 from .._config import FerryConfig
 from .._errors import ConfigError
-from .. import traces
 from .._logging import get_logger
 from ..actors import ActorRef, ActorSystem, start_runtime
 from ..cache import (
-    ResetCache,
-    TakeEvents,
-    spawn_host_tier,
-    to_vllm_events,
     CompleteLoad,
     CompleteStore,
     DirectoryMsg,
@@ -39,6 +34,10 @@ from ..cache import (
     Lookup,
     PrepareLoad,
     PrepareStore,
+    ResetCache,
+    TakeEvents,
+    spawn_host_tier,
+    to_vllm_events,
 )
 from ..transfer import CopyJob, GroupBlocks
 from ._metadata import JobSpec, KVFerryMetadata, KVFerryWorkerMetadata
@@ -87,11 +86,10 @@ def plan_geometry(
     chunk_tokens = group_block * bpc
     if chunk_tokens % hash_block:
         raise ConfigError(
-            "block_size", f"{chunk_tokens} tokens is not a multiple of vLLM's hash block size {hash_block}"
+            "block_size",
+            f"{chunk_tokens} tokens is not a multiple of vLLM's hash block size {hash_block}",
         )
-    row_bytes = max(
-        len(g.layer_names) * g.kv_cache_spec.page_size_bytes for g in groups
-    )
+    row_bytes = max(len(g.layer_names) * g.kv_cache_spec.page_size_bytes for g in groups)
     slot_bytes = row_bytes * bpc * world_size
     num_slots = cfg.cpu_bytes_to_use // slot_bytes
     if num_slots <= 0:
@@ -143,10 +141,18 @@ def parse_request_params(params: Any) -> tuple[bool, bool, str | None]:
         return True, True, f"kv_transfer_params['kvferry'] must be a dict, got {opts!r}"
     unknown = sorted(set(opts) - {"load", "store"})
     if unknown:
-        return True, True, f"kv_transfer_params['kvferry'][{unknown[0]!r}]: unknown key (known: load, store)"
+        return (
+            True,
+            True,
+            f"kv_transfer_params['kvferry'][{unknown[0]!r}]: unknown key (known: load, store)",
+        )
     for key in ("load", "store"):
         if key in opts and not isinstance(opts[key], bool):
-            return True, True, f"kv_transfer_params['kvferry'][{key!r}] must be true or false, got {opts[key]!r}"
+            return (
+                True,
+                True,
+                f"kv_transfer_params['kvferry'][{key!r}] must be true or false, got {opts[key]!r}",
+            )
     return opts.get("load", True), opts.get("store", True), None
 
 
@@ -181,7 +187,9 @@ class _Job:
 
 
 class SchedulerSide:
-    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg: FerryConfig) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg: FerryConfig
+    ) -> None:
         self.cfg = cfg
         self.world_size = vllm_config.parallel_config.world_size
         self.geometry = plan_geometry(
@@ -196,9 +204,19 @@ class SchedulerSide:
         self._pending_releases: list[str] = []
         self._c = dict.fromkeys(
             (
-                "tokens_looked_up", "tokens_hit", "tokens_missed", "tokens_loaded",
-                "tokens_stored", "loads_done", "loads_failed", "stores_done", "stores_failed",
-                "load_bytes", "store_bytes", "load_seconds", "store_seconds",
+                "tokens_looked_up",
+                "tokens_hit",
+                "tokens_missed",
+                "tokens_loaded",
+                "tokens_stored",
+                "loads_done",
+                "loads_failed",
+                "stores_done",
+                "stores_failed",
+                "load_bytes",
+                "store_bytes",
+                "load_seconds",
+                "store_seconds",
             ),
             0,
         )
@@ -267,7 +285,9 @@ class SchedulerSide:
             self._log.error("bad_request_params", req_id=request.request_id, error=error)
         return _Req(request=request, block_ids=[], load=load, store=store, error=error)
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
         st = self._reqs.get(request.request_id)
         if st is None:  # a request vLLM added before the connector saw it
             st = self._reqs[request.request_id] = self._new_req(request)
@@ -347,14 +367,20 @@ class SchedulerSide:
             rows = chunk_slots * bpc + blk % bpc
             parts.append(GroupBlocks(group=g, device_blocks=dev, host_rows=rows))
         self._jobs[job_id] = _Job(
-            job_id=job_id, req_id=request.request_id, is_store=False,
-            slots=slots, tokens=num_external_tokens,
+            job_id=job_id,
+            req_id=request.request_id,
+            is_store=False,
+            slots=slots,
+            tokens=num_external_tokens,
         )
         st.load_job = job_id
         st.stored_upto = max(st.stored_upto, hit_chunks)
         tp = self.trace.job_planned(
-            request.request_id, job_id, direction="load",
-            blocks=sum(len(p.device_blocks) for p in parts), tokens=num_external_tokens,
+            request.request_id,
+            job_id,
+            direction="load",
+            blocks=sum(len(p.device_blocks) for p in parts),
+            tokens=num_external_tokens,
         )
         self._pending_loads.append(
             JobSpec(
@@ -418,7 +444,9 @@ class SchedulerSide:
             if st is not None and st.finished and st.load_job is None:
                 del self._reqs[req_id]
 
-    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         st = self._reqs.get(request.request_id)
         if st is None:
             return False, None
@@ -501,7 +529,9 @@ class SchedulerSide:
         return to_vllm_events(self._ask(lambda r: TakeEvents(reply=r)))
 
     def has_pending_work(self) -> bool:
-        return bool(self._jobs or self._pending_loads or self._pending_stores or self._pending_releases)
+        return bool(
+            self._jobs or self._pending_loads or self._pending_stores or self._pending_releases
+        )
 
     def statistics(self) -> SchedulerStatistics:
         directory = self._ask(lambda r: GetStatistics(reply=r))
@@ -579,12 +609,17 @@ class SchedulerSide:
                 continue
             job_id = self._new_job_id()
             self._jobs[job_id] = _Job(
-                job_id=job_id, req_id=st.request.request_id, is_store=True, slots=live,
+                job_id=job_id,
+                req_id=st.request.request_id,
+                is_store=True,
+                slots=live,
                 tokens=len(live) * geo.chunk_tokens // G if G else 0,
             )
             st.store_jobs.add(job_id)
             tp = self.trace.job_planned(
-                st.request.request_id, job_id, direction="store",
+                st.request.request_id,
+                job_id,
+                direction="store",
                 blocks=sum(len(p.device_blocks) for p in parts),
                 tokens=self._jobs[job_id].tokens,
             )
@@ -613,7 +648,11 @@ class SchedulerSide:
             if job.acks < self.world_size:
                 continue
             del self._jobs[job_id]
-            self.trace.job_ended(job_id, ok=not job.failed, error=None if not job.failed else f"{failed} worker(s) failed")
+            self.trace.job_ended(
+                job_id,
+                ok=not job.failed,
+                error=None if not job.failed else f"{failed} worker(s) failed",
+            )
             st = self._reqs.get(job.req_id)
             self._dir_dirty = True
             if job.is_store:

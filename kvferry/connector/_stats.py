@@ -75,12 +75,19 @@ class KVFerryPromMetrics(KVConnectorPromMetrics):
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._counters = {
-            name: self._per_engine(self._counter_cls(name=name, documentation=doc, labelnames=labelnames))
+            name: self._per_engine(
+                self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
+            )
             for name, doc in COUNTERS.items()
         }
         self._gauges = {
             name: self._per_engine(
-                self._gauge_cls(name=name, documentation=doc, labelnames=labelnames, multiprocess_mode="mostrecent")
+                self._gauge_cls(
+                    name=name,
+                    documentation=doc,
+                    labelnames=labelnames,
+                    multiprocess_mode="mostrecent",
+                )
             )
             for name, doc in GAUGES.items()
         }

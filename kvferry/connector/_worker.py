@@ -46,7 +46,9 @@ class _Refs:
 
 
 class WorkerSide:
-    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg: FerryConfig) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg: FerryConfig
+    ) -> None:
         self.cfg = cfg
         self.kv_cache_config = kv_cache_config
         self.geometry: Geometry = plan_geometry(
@@ -96,8 +98,12 @@ class WorkerSide:
             engine = new_copy_engine(layout, self.pool)
 
         async def setup(system: ActorSystem) -> _Refs:
-            load = await system.spawn(LoadActor(engine, job_timeout_s=self.cfg.job_timeout_s), name="load")
-            store = await system.spawn(StoreActor(engine, job_timeout_s=self.cfg.job_timeout_s), name="store")
+            load = await system.spawn(
+                LoadActor(engine, job_timeout_s=self.cfg.job_timeout_s), name="load"
+            )
+            store = await system.spawn(
+                StoreActor(engine, job_timeout_s=self.cfg.job_timeout_s), name="store"
+            )
             return _Refs(store=store, load=load)
 
         self.runtime, self._refs = start_runtime(self.cfg.runtime, setup)
@@ -171,9 +177,16 @@ class WorkerSide:
             if traced is not None:
                 # The copy's own duration, ending when this poll saw it end.
                 self.trace.record_copy(
-                    traced[0], job_id=res.job_id, direction=res.direction, nbytes=res.nbytes,
-                    blocks=res.num_blocks, start_ns=now - int(res.seconds * 1e9), end_ns=now,
-                    ok=res.ok, error=res.error, queued_ns=traced[1],
+                    traced[0],
+                    job_id=res.job_id,
+                    direction=res.direction,
+                    nbytes=res.nbytes,
+                    blocks=res.num_blocks,
+                    start_ns=now - int(res.seconds * 1e9),
+                    end_ns=now,
+                    ok=res.ok,
+                    error=res.error,
+                    queued_ns=traced[1],
                 )
             ack = self._acks.setdefault(res.job_id, [0, 0])
             ack[0] += 1
