@@ -2,7 +2,8 @@
 machine at hand, and helpers to run real engines deterministically.
 
 - :class:`FakeCudaEvent` / :class:`FakeStream`: stand-ins for ``torch.cuda.Event`` and
-  ``torch.cuda.Stream`` that a test completes (or fails) by hand, in any order.
+  ``torch.cuda.Stream``; a test completes (or fails) events by hand, in any order, and
+  reads what each stream was ordered after (``wait_stream``, ``wait_event``).
 - :class:`FakeCopyEngine`: records submitted jobs and hands out fake events.
 - :func:`make_tiny_model`: writes a tiny random-weight model (config + safetensors) to a
   folder, with weights large enough that outputs depend on every KV value — so a test
@@ -84,12 +85,18 @@ class FakeCudaEvent:
 
 @attrs.define(eq=False)
 class FakeStream:
-    """A stand-in for ``torch.cuda.Stream`` that records what it was ordered after."""
+    """A stand-in for ``torch.cuda.Stream`` that records what it was ordered after:
+    other streams (``wait_stream``) in ``waited_on``, events (``wait_event``) in
+    ``waited_events``."""
 
     waited_on: list[Any] = attrs.field(factory=list)
+    waited_events: list[Any] = attrs.field(factory=list)
 
     def wait_stream(self, other: Any) -> None:
         self.waited_on.append(other)
+
+    def wait_event(self, event: Any) -> None:
+        self.waited_events.append(event)
 
     def synchronize(self) -> None:
         pass

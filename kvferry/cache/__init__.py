@@ -32,6 +32,7 @@ from ._messages import EvictorMsg as EvictorMsg
 from ._messages import EvictSome as EvictSome
 from ._messages import GetStatistics as GetStatistics
 from ._messages import Lookup as Lookup
+from ._messages import LookupEach as LookupEach
 from ._messages import PrepareLoad as PrepareLoad
 from ._messages import PrepareStore as PrepareStore
 from ._messages import Publish as Publish
@@ -73,6 +74,7 @@ __all__ = [
     "Key",
     "LRUPolicy",
     "Lookup",
+    "LookupEach",
     "PrepareLoad",
     "PrepareStore",
     "Publish",

@@ -3,10 +3,10 @@
 Who owns what:
 
 - :class:`DirectoryActor` owns the :class:`~kvferry.cache.Directory` (keys, slots, pins,
-  the policy, admission). The scheduler-side facade asks ``Lookup`` / ``PrepareLoad`` /
-  ``PrepareStore`` on the engine thread's calls and tells ``CompleteLoad`` /
-  ``CompleteStore`` / ``Touch`` when jobs and requests end. Nothing else touches the
-  directory; its state is the truth and is kept across restarts.
+  the policy, admission). The scheduler-side facade asks ``Lookup`` (or ``LookupEach``
+  for a hybrid model) / ``PrepareLoad`` / ``PrepareStore`` on the engine thread's calls
+  and tells ``CompleteLoad`` / ``CompleteStore`` / ``Touch`` when jobs and requests end.
+  Nothing else touches the directory; its state is the truth and is kept across restarts.
 - :class:`EvictorActor` owns only its pacing. Told ``RoomLow`` by the directory when a
   store pushed occupancy past the high watermark, it asks the directory to ``EvictSome``
   — a message queued behind those already waiting, so lookups and stores in the mailbox
@@ -41,6 +41,7 @@ from ._messages import (
     EvictSome,
     GetStatistics,
     Lookup,
+    LookupEach,
     PrepareLoad,
     PrepareStore,
     Publish,
@@ -86,6 +87,8 @@ class DirectoryActor(Actor[DirectoryMsg]):
         match msg:
             case Lookup(keys=keys, reply=reply):
                 reply.set(d.lookup(keys))
+            case LookupEach(keys=keys, reply=reply):
+                reply.set(d.ready(keys))
             case PrepareLoad(keys=keys, reply=reply):
                 reply.set(d.prepare_load(keys))
             case CompleteLoad(slots=slots):
@@ -214,9 +217,7 @@ async def spawn_host_tier(
 
     Raises :class:`~kvferry.ConfigError` for a bad policy, watermarks or threshold.
     """
-    publisher = (
-        await system.spawn(PublisherActor(), name=f"{prefix}kv-events") if events else None
-    )
+    publisher = await system.spawn(PublisherActor(), name=f"{prefix}kv-events") if events else None
     directory = await system.spawn(
         DirectoryActor(
             num_slots,

@@ -30,9 +30,7 @@ def check_watermarks(watermarks: tuple[float, float]) -> tuple[float, float]:
             "eviction_watermarks", f"must be two numbers [low, high], got {watermarks!r}"
         ) from None
     if not (0.0 < low <= high <= 1.0):
-        raise ConfigError(
-            "eviction_watermarks", f"need 0 < low <= high <= 1, got {[low, high]}"
-        )
+        raise ConfigError("eviction_watermarks", f"need 0 < low <= high <= 1, got {[low, high]}")
     return low, high
 
 

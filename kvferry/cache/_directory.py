@@ -116,6 +116,20 @@ class Directory:
         self.misses += len(keys) - n
         return n
 
+    def ready(self, keys: Sequence[Key]) -> npt.NDArray[np.bool_]:
+        """For each of ``keys``, whether it is READY (hybrid models look past a miss)."""
+        st = self._st
+        out = np.fromiter(
+            ((s := self._slot_of.get(k)) is not None and st[s] == READY for k in keys),
+            dtype=np.bool_,
+            count=len(keys),
+        )
+        n = int(out.sum())
+        self.lookups += 1
+        self.hits += n
+        self.misses += len(keys) - n
+        return out
+
     def state_of(self, key: Key) -> int:
         return int(self._st[self._slot_of.get(key, -1)])
 

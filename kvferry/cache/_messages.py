@@ -37,6 +37,14 @@ class Lookup:
 
 
 @attrs.frozen(kw_only=True)
+class LookupEach:
+    """For each key, whether it is stored and ready (a hybrid model's windowed lookup)."""
+
+    keys: tuple[Key, ...]
+    reply: Reply[npt.NDArray[np.bool_]] = attrs.field(eq=False, repr=False)
+
+
+@attrs.frozen(kw_only=True)
 class PrepareLoad:
     """Pin the slots of ``keys`` for a load; answers their slots, or None if any is not ready."""
 
@@ -125,6 +133,7 @@ class GetStatistics:
 
 DirectoryMsg: TypeAlias = (
     Lookup
+    | LookupEach
     | PrepareLoad
     | CompleteLoad
     | PrepareStore

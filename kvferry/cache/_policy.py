@@ -219,8 +219,18 @@ def make_policy(spec: str | EvictionPolicy, capacity: int) -> EvictionPolicy:
         raise ConfigError("eviction_policy", f"{spec!r}({capacity}) failed: {exc!r}") from exc
     if not isinstance(policy, EvictionPolicy):
         missing = [
-            m for m in ("admit", "reuse", "touch", "store_miss", "victims", "forget",
-                        "clear", "statistics", "name")
+            m
+            for m in (
+                "admit",
+                "reuse",
+                "touch",
+                "store_miss",
+                "victims",
+                "forget",
+                "clear",
+                "statistics",
+                "name",
+            )
             if not hasattr(policy, m)
         ]
         raise ConfigError("eviction_policy", f"{spec!r} lacks {missing}")

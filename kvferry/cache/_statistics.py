@@ -37,5 +37,3 @@ class DirectoryStatistics:
     @property
     def occupancy(self) -> float:
         return self.used / self.capacity
-
-

@@ -8,6 +8,13 @@ through the sync runtime with one call per vLLM call.
 A key is the chained block hash vLLM computed at the last token of an offloaded block,
 followed by the KV-cache group index (4 bytes, big-endian): the bytes vLLM's own
 offloading uses, deterministic across processes of one engine.
+
+Hybrid models (several KV-cache groups): a full-attention group needs every block of a
+hit; a sliding-window group only the blocks of its trailing window, so its lookup scans
+for the last run of ``window`` ready blocks below the full-attention hit, and its load
+fills only the blocks vLLM allocated (the others are vLLM's null block). vLLM frees a
+sliding-window block while its request still runs; a store still reading one is fenced
+(``flush_job_ids``) in the step that hands the block to another request.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from ..cache import (
     DirectoryStatistics,
     GetStatistics,
     Lookup,
+    LookupEach,
     PrepareLoad,
     PrepareStore,
     ResetCache,
@@ -59,6 +67,8 @@ class Geometry:
     blocks_per_chunk: int
     hashes_per_chunk: int
     num_groups: int
+    windows: tuple[int | None, ...]
+    """Per group: None for full attention, else its sliding window in offloaded blocks."""
     row_bytes: int
     """Bytes of one engine block of the largest group, on one worker."""
     num_slots: int
@@ -66,6 +76,28 @@ class Geometry:
     @property
     def chunk_tokens(self) -> int:
         return self.engine_block_size * self.blocks_per_chunk
+
+    @property
+    def hybrid(self) -> bool:
+        return any(w is not None for w in self.windows)
+
+
+def group_window(spec: Any, chunk_tokens: int, group: int) -> int | None:
+    """None for a full-attention group; a sliding-window group's window, in offloaded
+    blocks (as vLLM's offloading counts it, trailing retained tokens included)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    if isinstance(spec, SlidingWindowSpec):
+        window = spec.sliding_window
+        extra = getattr(spec, "extra_retained_tokens", 0) or 0
+        return max(-(-window // chunk_tokens), -(-(window - 1 + extra) // chunk_tokens))
+    if isinstance(spec, FullAttentionSpec):
+        return None
+    raise ConfigError(
+        "model",
+        f"KV-cache group {group} is {type(spec).__name__}: kvferry offloads full-attention "
+        "and sliding-window groups only",
+    )
 
 
 def plan_geometry(
@@ -89,6 +121,7 @@ def plan_geometry(
             "block_size",
             f"{chunk_tokens} tokens is not a multiple of vLLM's hash block size {hash_block}",
         )
+    windows = tuple(group_window(g.kv_cache_spec, chunk_tokens, i) for i, g in enumerate(groups))
     row_bytes = max(len(g.layer_names) * g.kv_cache_spec.page_size_bytes for g in groups)
     slot_bytes = row_bytes * bpc * world_size
     num_slots = cfg.cpu_bytes_to_use // slot_bytes
@@ -102,9 +135,36 @@ def plan_geometry(
         blocks_per_chunk=bpc,
         hashes_per_chunk=chunk_tokens // hash_block,
         num_groups=len(groups),
+        windows=windows,
         row_bytes=row_bytes,
         num_slots=num_slots,
     )
+
+
+def windowed_hit(ready: npt.NDArray[np.bool_], windows: tuple[int | None, ...]) -> int:
+    """How many leading offloaded blocks of ``ready`` (blocks x groups) make a hit.
+
+    Every full-attention group must hold each block of the hit; a sliding-window group
+    only the last ``window`` blocks of it (those before the first row are on the device).
+    """
+    n = ready.shape[0]
+    full = [g for g, w in enumerate(windows) if w is None]
+    end = n
+    if full:
+        ok = ready[:, full].all(axis=1)
+        end = n if ok.all() else int(np.argmin(ok))
+    sliding = [(g, w) for g, w in enumerate(windows) if w is not None]
+    while end > 0:
+        for g, w in sliding:
+            start = end - min(w, end)
+            window = ready[start:end, g]
+            if not window.all():
+                # No hit whose window covers this miss: the next candidate ends at it.
+                end = start + int(np.flatnonzero(~window)[-1])
+                break
+        else:
+            return end
+    return 0
 
 
 @attrs.frozen(kw_only=True)
@@ -120,6 +180,7 @@ class SchedulerStatistics:
     loads_failed: int
     stores_done: int
     stores_failed: int
+    stores_fenced: int
     load_bytes: int
     store_bytes: int
     load_seconds: float
@@ -184,6 +245,8 @@ class _Job:
     tokens: int
     acks: int = 0
     failed: bool = False
+    fenced: tuple[int, ...] = ()
+    """Sliding-window blocks this store reads, which vLLM may free before it ends."""
 
 
 class SchedulerSide:
@@ -213,6 +276,7 @@ class SchedulerSide:
                 "loads_failed",
                 "stores_done",
                 "stores_failed",
+                "stores_fenced",
                 "load_bytes",
                 "store_bytes",
                 "load_seconds",
@@ -227,6 +291,8 @@ class SchedulerSide:
         self._reported: dict[str, float] = {}
         self._reported_gauges: dict[str, float] = {}
         self._stale_jobs: set[int] = set()
+        self._fences: dict[int, set[int]] = {}
+        """Engine block id -> store jobs still reading it (sliding-window groups)."""
         num_slots = self.geometry.num_slots
 
         kv_events = getattr(vllm_config, "kv_events_config", None)
@@ -293,8 +359,12 @@ class SchedulerSide:
             st = self._reqs[request.request_id] = self._new_req(request)
         if not st.load:
             return 0, False
+        geo = self.geometry
         n_chunks = self._num_keyed_chunks(request)
-        ct = self.geometry.chunk_tokens
+        ct = geo.chunk_tokens
+        if geo.hybrid:
+            # vLLM recomputes the last prompt token of a sliding-window model.
+            n_chunks = min(n_chunks, (request.num_tokens - 1) // ct)
         if n_chunks * ct <= num_computed_tokens:
             st.lookup = None
             return 0, False
@@ -302,8 +372,12 @@ class SchedulerSide:
         first = num_computed_tokens // ct
         keys = self._keys(request, first, n_chunks)
         t0 = time.time_ns()
-        n_ready = self._ask(lambda r: Lookup(keys=tuple(keys), reply=r))
-        hit_chunks = first + n_ready // self.geometry.num_groups
+        if geo.hybrid:
+            ready = self._ask(lambda r: LookupEach(keys=tuple(keys), reply=r))
+            hit_chunks = first + windowed_hit(ready.reshape(-1, geo.num_groups), geo.windows)
+        else:
+            n_ready = self._ask(lambda r: Lookup(keys=tuple(keys), reply=r))
+            hit_chunks = first + n_ready // geo.num_groups
         asked = n_chunks * ct - num_computed_tokens
         new_tokens = hit_chunks * ct - num_computed_tokens
         self.trace.lookup(
@@ -347,25 +421,40 @@ class SchedulerSide:
         end_tok = num_local + num_external_tokens
         assert end_tok == hit_chunks * ct, (num_local, num_external_tokens, hit_chunks)
         first_chunk = num_local // ct
-        keys = self._keys(request, first_chunk, hit_chunks)
-        slots = self._ask(lambda r: PrepareLoad(keys=tuple(keys), reply=r))
+        G = geo.num_groups
         block_ids = blocks.get_block_ids()
         first_blk, end_blk = num_local // bs, end_tok // bs
+        blk = np.arange(first_blk, end_blk)
+        # Per group, the blocks to fill: all of them for full attention; for a sliding
+        # window only those vLLM allocated (the ones before the window are its null block 0).
+        devs = [np.asarray(block_ids[g][first_blk:end_blk], dtype=np.int64) for g in range(G)]
+        wanted = np.ones((hit_chunks - first_chunk, G), dtype=np.bool_)
+        for g in range(G):
+            if geo.windows[g] is not None:
+                live = devs[g] != 0
+                wanted[:, g] = False
+                wanted[np.unique(blk[live] // bpc - first_chunk), g] = True
+        all_keys = self._keys(request, first_chunk, hit_chunks)
+        keys = [k for k, w in zip(all_keys, wanted.ravel().tolist(), strict=True) if w]
+        found = self._ask(lambda r: PrepareLoad(keys=tuple(keys), reply=r))
         job_id = self._new_job_id()
-        if slots is None:
+        if found is None:
             # Cannot happen while this thread is the directory's only client; if it does,
             # the load fails cleanly and vLLM recomputes.
             self._log.error("load_keys_vanished", req_id=request.request_id)
             self.trace.failed(reason="load keys vanished", req_id=request.request_id)
-            slots = np.full(len(keys), -1, dtype=np.int64)
-        G = geo.num_groups
+            found = np.full(len(keys), -1, dtype=np.int64)
+        slots = np.full(wanted.size, -1, dtype=np.int64)
+        slots[wanted.ravel()] = found
+        slot_of = slots.reshape(-1, G)
         parts = []
         for g in range(G):
-            dev = np.asarray(block_ids[g][first_blk:end_blk], dtype=np.int64)
-            blk = np.arange(first_blk, end_blk)
-            chunk_slots = slots[g::G][blk // bpc - first_chunk]
-            rows = chunk_slots * bpc + blk % bpc
-            parts.append(GroupBlocks(group=g, device_blocks=dev, host_rows=rows))
+            dev = devs[g]
+            keep = dev != 0 if geo.windows[g] is not None else slice(None)
+            b = blk[keep]
+            rows = slot_of[b // bpc - first_chunk, g] * bpc + b % bpc
+            parts.append(GroupBlocks(group=g, device_blocks=dev[keep], host_rows=rows))
+        slots = found
         self._jobs[job_id] = _Job(
             job_id=job_id,
             req_id=request.request_id,
@@ -393,7 +482,10 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVFerryMetadata:
         from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
 
+        reused: set[int] = set()
         for req_id, new_block_ids, resumed in yield_req_data(scheduler_output):
+            if self._fences and new_block_ids:
+                reused.update(b for ids in new_block_ids for b in ids if b in self._fences)
             st = self._reqs.get(req_id)
             if st is None:
                 continue
@@ -405,11 +497,15 @@ class SchedulerSide:
                 for g, ids in enumerate(new_block_ids):
                     st.block_ids[g].extend(ids)
 
-        flush: list[int] = []
+        flush: set[int] = set()
         for req_id in scheduler_output.preempted_req_ids or ():
             st = self._reqs.get(req_id)
             if st is not None:
-                flush.extend(sorted(st.store_jobs))
+                flush.update(st.store_jobs)
+        # Sliding-window blocks vLLM freed mid-request and hands out again this step.
+        for block in reused:
+            flush.update(self._fences[block])
+        self._c["stores_fenced"] += len(flush)
 
         plans = []
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
@@ -425,7 +521,7 @@ class SchedulerSide:
         meta = KVFerryMetadata(
             loads=self._pending_loads,
             stores=self._pending_stores,
-            flush_job_ids=flush,
+            flush_job_ids=sorted(flush),
             release_req_ids=self._pending_releases,
         )
         self._pending_loads, self._pending_stores, self._pending_releases = [], [], []
@@ -473,10 +569,11 @@ class SchedulerSide:
         """Counter increments since the last call, and current gauges (vLLM's stats channel)."""
         now_s = time.monotonic()
         # The directory's gauges are for monitoring: refreshed at most every 0.5 s while
-        # jobs run, not at the price of an ask on every engine step, and once more when the
-        # last job ended (so an idle engine reports its final state).
+        # requests run, not at the price of an ask on every engine step, and once more when
+        # the last request and job ended (so an idle engine reports its final state).
         if self._dir_stats is None or (
-            self._dir_dirty and (now_s - self._dir_stats_at >= 0.5 or not self._jobs)
+            self._dir_dirty
+            and (now_s - self._dir_stats_at >= 0.5 or not (self._jobs or self._reqs))
         ):
             self._dir_stats = self._ask(lambda r: GetStatistics(reply=r))
             self._dir_stats_at = now_s
@@ -495,6 +592,7 @@ class SchedulerSide:
             "vllm:kvferry_store_seconds": c["store_seconds"],
             "vllm:kvferry_loads_failed": c["loads_failed"],
             "vllm:kvferry_stores_failed": c["stores_failed"],
+            "vllm:kvferry_stores_fenced": c["stores_fenced"],
             "vllm:kvferry_stores_skipped": d.stores_skipped_present + d.stores_skipped_full,
             "vllm:kvferry_evictions": d.evictions,
         }
@@ -585,6 +683,7 @@ class SchedulerSide:
             pos += n
             parts = []
             taken = []
+            fenced: list[int] = []
             for g in range(G):
                 dev_rows: list[int] = []
                 host_rows: list[int] = []
@@ -601,6 +700,8 @@ class SchedulerSide:
                     taken.append((slot, True))
                 if dev_rows:
                     parts.append(GroupBlocks(group=g, device_blocks=dev_rows, host_rows=host_rows))
+                    if geo.windows[g] is not None:
+                        fenced.extend(dev_rows)
             dead = [s for s, ok in taken if not ok]
             if dead:
                 self.directory_tell(CompleteStore(slots=dead, ok=False))
@@ -614,7 +715,10 @@ class SchedulerSide:
                 is_store=True,
                 slots=live,
                 tokens=len(live) * geo.chunk_tokens // G if G else 0,
+                fenced=tuple(fenced),
             )
+            for block in fenced:
+                self._fences.setdefault(block, set()).add(job_id)
             st.store_jobs.add(job_id)
             tp = self.trace.job_planned(
                 st.request.request_id,
@@ -648,6 +752,11 @@ class SchedulerSide:
             if job.acks < self.world_size:
                 continue
             del self._jobs[job_id]
+            for block in job.fenced:
+                jobs = self._fences[block]
+                jobs.discard(job_id)
+                if not jobs:
+                    del self._fences[block]
             self.trace.job_ended(
                 job_id,
                 ok=not job.failed,

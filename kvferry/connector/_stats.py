@@ -3,7 +3,7 @@
 The scheduler half returns, once per engine step, the counters' increments since its
 last report plus current gauges (:class:`KVFerryStats`); vLLM aggregates them over its
 logging interval and hands the dict to :class:`KVFerryPromMetrics`, which exports them on
-``/metrics`` under ``kvferry:*`` names.
+``/metrics`` under ``vllm:kvferry_*`` names.
 """
 
 from __future__ import annotations
@@ -30,6 +30,10 @@ COUNTERS: dict[str, str] = {
     "vllm:kvferry_store_seconds": "Seconds spent in device -> host copies.",
     "vllm:kvferry_loads_failed": "Load jobs that failed (their blocks were recomputed).",
     "vllm:kvferry_stores_failed": "Store jobs that failed (their blocks were dropped).",
+    "vllm:kvferry_stores_fenced": (
+        "Store jobs still reading blocks the engine reused (a preemption, a sliding window "
+        "moving on): the engine's next compute was ordered after them."
+    ),
     "vllm:kvferry_stores_skipped": "Offloaded blocks not stored (already stored, or no room).",
     "vllm:kvferry_evictions": "Offloaded blocks evicted from host memory.",
 }

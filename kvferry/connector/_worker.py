@@ -19,6 +19,7 @@ from .._errors import TransferError
 from .._logging import get_logger
 from ..actors import ActorRef, ActorSystem, start_runtime
 from ..transfer import (
+    Flushed,
     FlushJobs,
     HostPool,
     JobResult,
@@ -116,7 +117,9 @@ class WorkerSide:
         )
 
     def handle_preemptions(self, meta: KVFerryMetadata) -> None:
-        """Stores still reading blocks the engine will reuse end before this step's forward."""
+        """Stores still reading blocks the engine will reuse are ordered before this step's
+        forward: on CUDA the compute stream waits on their events (no CPU wait); on the
+        copy threads they are waited for until they end."""
         if not meta.flush_job_ids or self._refs is None:
             return
         pending = tuple(j for j in meta.flush_job_ids if j in self._store_req)
@@ -124,7 +127,7 @@ class WorkerSide:
             return
         refs = self._refs
         try:
-            self.runtime.call(  # type: ignore[union-attr]
+            flushed: Flushed = self.runtime.call(  # type: ignore[union-attr]
                 refs.store.ask,
                 lambda r: FlushJobs(job_ids=pending, timeout_s=self.cfg.job_timeout_s, reply=r),
             )
@@ -132,6 +135,12 @@ class WorkerSide:
             raise TransferError(
                 f"stores {pending} did not end within job_timeout_s={self.cfg.job_timeout_s}"
             ) from exc
+        self._log.debug(
+            "stores_flushed",
+            device_fenced=len(flushed.device_fenced),
+            cpu_waited=len(flushed.cpu_waited),
+            already_ended=len(flushed.already_ended),
+        )
 
     def start_load_kv(self, meta: KVFerryMetadata) -> None:
         if not meta.loads or self._refs is None:

@@ -4,6 +4,7 @@ one actor per direction, and raw block access."""
 from __future__ import annotations
 
 from ._access import KVBlockAccess as KVBlockAccess
+from ._actors import Flushed as Flushed
 from ._actors import FlushJobs as FlushJobs
 from ._actors import GetStatistics as GetStatistics
 from ._actors import JobFailed as JobFailed
@@ -20,6 +21,7 @@ from ._copy import Cancellable as Cancellable
 from ._copy import Completion as Completion
 from ._copy import CopyEngine as CopyEngine
 from ._copy import CopyJob as CopyJob
+from ._copy import DeviceFenced as DeviceFenced
 from ._copy import Direction as Direction
 from ._copy import FutureCompletion as FutureCompletion
 from ._copy import GroupBlocks as GroupBlocks
@@ -43,8 +45,10 @@ __all__ = [
     "CopyEngine",
     "CopyJob",
     "CudaCopyEngine",
+    "DeviceFenced",
     "Direction",
     "FlushJobs",
+    "Flushed",
     "FutureCompletion",
     "GetStatistics",
     "GroupBlocks",

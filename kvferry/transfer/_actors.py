@@ -1,11 +1,20 @@
 """StoreActor (device → host) and LoadActor (host → device).
 
 Who sends what: the worker-side facade tells ``SubmitJob`` for each job of an engine
-step and asks ``PollFinished`` once per step; ``FlushJobs`` waits until given jobs have
-ended (before the engine reuses blocks a store still reads). Each actor owns its
-direction's in-flight jobs and their completions; nothing else touches them. Both
-actors may share one copy engine, which serves loads before stores and runs several
-jobs of each direction at once (see the engines).
+step and asks ``PollFinished`` once per step; ``FlushJobs`` fences given jobs before the
+engine reuses blocks a store still reads. Each actor owns its direction's in-flight jobs
+and their completions; nothing else touches them. Both actors may share one copy
+engine, which serves loads before stores and runs several jobs of each direction at
+once (see the engines).
+
+How ``FlushJobs`` fences a job still in flight depends on its completion: one that is
+:class:`~kvferry.transfer.DeviceFenced` (a CUDA event) gets a stream dependency — the
+compute stream (the current stream of the actors' thread, the engine thread under the
+stepped runtime) waits on the job's event, so the forward's writes are ordered after the
+store's reads on the device, and the ask returns at once; any other (the copy threads)
+is waited for on the CPU until it ends, within ``timeout_s``. A job that already ended
+needs nothing. The reply, :class:`Flushed`, says which way each job went. Either way the
+job stays in flight until it really ends, and ``PollFinished`` reports it.
 
 Every job ends, and is reported once by ``PollFinished``: a :class:`JobResult` with
 ``ok=True``, or a :class:`JobFailed` naming the engine blocks it leaves invalid — for a
@@ -36,7 +45,7 @@ import attrs
 from .._logging import get_logger
 from ..actors import Actor, Reply
 from ._completion import CompletionBridge
-from ._copy import Cancellable, CopyEngine, CopyJob, Direction
+from ._copy import Cancellable, Completion, CopyEngine, CopyJob, DeviceFenced, Direction
 
 
 @attrs.frozen(kw_only=True)
@@ -90,15 +99,30 @@ class PollFinished:
 
 
 @attrs.frozen(kw_only=True)
-class FlushJobs:
-    """Wait until ``job_ids`` have ended (they are reported by the next poll).
+class Flushed:
+    """How :class:`FlushJobs` fenced each of its jobs (each job id is in one field)."""
 
-    Fails with :class:`TimeoutError` after ``timeout_s``.
+    device_fenced: tuple[int, ...] = ()
+    """Still in flight: the compute stream now waits on their events (no CPU wait)."""
+    cpu_waited: tuple[int, ...] = ()
+    """Waited for on the CPU until they ended (completions without a device fence)."""
+    already_ended: tuple[int, ...] = ()
+    """Ended before the flush, or not in flight in this actor: nothing to do."""
+
+
+@attrs.frozen(kw_only=True)
+class FlushJobs:
+    """Order the engine's next device work after ``job_ids`` (see the module docstring):
+    a device fence where the completion has one, else a CPU wait until the job ended.
+    The jobs are still reported by a later poll.
+
+    Fails with :class:`TimeoutError` when a CPU wait lasts more than ``timeout_s``
+    (device fences never wait).
     """
 
     job_ids: tuple[int, ...]
     timeout_s: float
-    reply: Reply[None] = attrs.field(eq=False, repr=False)
+    reply: Reply[Flushed] = attrs.field(eq=False, repr=False)
 
 
 @attrs.frozen(kw_only=True)
@@ -154,11 +178,7 @@ class TransferActor(Actor[TransferMsg]):
                 ended, self._ended = self._ended, []
                 reply.set(ended)
             case FlushJobs(job_ids=job_ids, timeout_s=timeout_s, reply=reply):
-                # A real wait (a thread in synchronize), so wall time, not self._clock.
-                with anyio.fail_after(timeout_s):
-                    for job_id in job_ids:
-                        await self.bridge.wait(job_id)
-                reply.set(None)
+                reply.set(await self._flush(job_ids, timeout_s))
             case GetStatistics(reply=reply):
                 reply.set(self.statistics())
             case _:
@@ -184,6 +204,33 @@ class TransferActor(Actor[TransferMsg]):
         deadline = now + timeout if timeout is not None else float("inf")
         self._jobs[job.job_id] = _InFlight(job=job, started=now, deadline=deadline)
         self.bridge.add(job.job_id, completion)
+
+    async def _flush(self, job_ids: tuple[int, ...], timeout_s: float) -> Flushed:
+        fenced: list[int] = []
+        waited: list[int] = []
+        ended: list[int] = []
+        for job_id in dict.fromkeys(job_ids):
+            completion = self.bridge.get(job_id)
+            if completion is None or _has_ended(completion):
+                ended.append(job_id)
+                continue
+            if isinstance(completion, DeviceFenced):
+                try:
+                    completion.order_before_compute()
+                except Exception as exc:  # e.g. a sticky CUDA error: wait instead
+                    self._log.warning("device_fence_failed", job_id=job_id, exc_info=exc)
+                else:
+                    fenced.append(job_id)
+                    continue
+            waited.append(job_id)
+        if waited:
+            # A real wait (a thread in synchronize), so wall time, not self._clock.
+            with anyio.fail_after(timeout_s):
+                for job_id in waited:
+                    await self.bridge.wait(job_id)
+        return Flushed(
+            device_fenced=tuple(fenced), cpu_waited=tuple(waited), already_ended=tuple(ended)
+        )
 
     def _collect(self) -> None:
         self._check_deadlines()
@@ -256,6 +303,13 @@ class TransferActor(Actor[TransferMsg]):
             failed=self._failed,
             bytes_moved=self._bytes,
         )
+
+
+def _has_ended(completion: Completion) -> bool:
+    try:
+        return completion.query()
+    except Exception:  # a query that raises has ended (with that error), as in the bridge
+        return True
 
 
 class StoreActor(TransferActor):

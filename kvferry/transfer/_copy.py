@@ -8,7 +8,8 @@ a :class:`Completion`, which the completion bridge turns into an awaitable. Engi
 - :class:`~kvferry.transfer.ThreadCopyEngine` (``_threads.py``): the CPU path, a pool of
   copy threads running batched copy plans, loads before stores;
 - :class:`~kvferry.transfer.CudaCopyEngine` (``_cuda.py``): a side stream per direction,
-  pinned host memory, an event per job.
+  pinned host memory, an event per job; its completions are :class:`DeviceFenced` (the
+  compute stream can be made to wait on a job's event instead of the CPU).
 
 The contract every engine keeps: a job's completion ends only when nothing of that job
 can still write (a failed or cancelled load may be recomputed into the same blocks as
@@ -103,6 +104,20 @@ class Cancellable(Protocol):
     def cancel(self) -> None:
         """Drop what has not started. The completion still ends only once what had
         started has finished, with :class:`JobCancelled` if anything was dropped."""
+
+
+@runtime_checkable
+class DeviceFenced(Protocol):
+    """A completion that can order the engine's later device work after its job without
+    a CPU wait (on CUDA: the compute stream waits on the job's event).
+
+    :class:`~kvferry.transfer.StoreActor` uses it to flush a store whose device blocks
+    the engine is about to reuse; completions without it are waited for on the CPU.
+    """
+
+    def order_before_compute(self) -> None:
+        """Make work enqueued afterwards on the calling thread's compute stream run only
+        once this job's copies have finished; returns at once (the job may still run)."""
 
 
 class CopyEngine(Protocol):

@@ -18,6 +18,15 @@ A job is never reported ended while its copies can still write: if ``submit`` fa
 half way, an event is still recorded after what was enqueued, and the job ends, failed,
 when that event completes.
 
+Fencing without a CPU wait: before the engine reuses device blocks a store still reads
+(a preempted request's, a sliding window's), the store actor calls the job's
+:meth:`EventCompletion.order_before_compute`, which makes the compute stream wait on
+the job's event (``current_stream().wait_event(event)``). The forward's writes are then
+ordered after the store's reads on the device, and the engine thread returns at once.
+Like ``submit``, it relies on the current stream of the actors' thread being the
+compute stream. The event covers whatever was enqueued, so this holds for a job whose
+submission failed half way too.
+
 Streams and events come from factories so that the logic is unit-tested on a CPU with the
 fakes of :mod:`kvferry.testing`.
 """
@@ -45,13 +54,28 @@ class EventCompletion:
     ``error`` is set when the job's submission failed part way: the job still ends only
     when the event (recorded after what was enqueued) completes. An error raised by the
     event itself (a sticky CUDA error) ends the job with that error.
+
+    It is :class:`~kvferry.transfer.DeviceFenced`: ``current_stream`` returns the
+    compute stream that :meth:`order_before_compute` makes wait on the event.
     """
 
-    __slots__ = ("_event", "_error")
+    __slots__ = ("_event", "_current_stream", "_error")
 
-    def __init__(self, event: Any, error: BaseException | None = None) -> None:
+    def __init__(
+        self,
+        event: Any,
+        current_stream: Callable[[], Any],
+        error: BaseException | None = None,
+    ) -> None:
         self._event = event
+        self._current_stream = current_stream
         self._error = error
+
+    def order_before_compute(self) -> None:
+        """The compute stream waits on this job's event: work enqueued on it afterwards
+        (a forward overwriting the job's device blocks) runs after the job's copies.
+        Never blocks the calling thread."""
+        self._current_stream().wait_event(self._event)
 
     def query(self) -> bool:
         try:
@@ -150,7 +174,7 @@ class CudaCopyEngine:
                 error = exc
             event = self._event_factory()
             event.record(stream)
-        return EventCompletion(event, error)
+        return EventCompletion(event, self._current_stream, error)
 
     def close(self) -> None:
         for stream in self._streams.values():

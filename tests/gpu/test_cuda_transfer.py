@@ -1,21 +1,30 @@
 """The CUDA copy engine on a real device: bit-exact round trips of random KV through
-pinned host memory in every layout, ordering after the compute stream, and raw block
-access. Marked ``gpu``: skipped where there is no CUDA (``pytest -m gpu`` on a GPU)."""
+pinned host memory in every layout, ordering after the compute stream, a flush that
+fences the compute stream on a store's event, and raw block access. Marked ``gpu``:
+skipped where there is no CUDA (``pytest -m gpu`` on a GPU)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
+from kvferry.actors import ActorSystem
 from kvferry.transfer import (
     CopyJob,
     CudaCopyEngine,
+    Flushed,
+    FlushJobs,
     GroupBlocks,
     HostPool,
     KVBlockAccess,
+    PollFinished,
+    StoreActor,
+    SubmitJob,
+    _torchcopy,
     describe_kv_caches,
     new_copy_engine,
 )
@@ -80,6 +89,48 @@ def test_a_store_sees_what_the_compute_stream_wrote_just_before() -> None:
             .cpu()
         )
         assert torch.equal(pool.rows[0, : want.numel()], want)
+    finally:
+        engine.close()
+
+
+@pytest.mark.anyio
+async def test_a_flushed_store_reads_its_blocks_before_the_compute_stream_overwrites_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    kv = vllm_cpu("cuda")
+    layout = describe_kv_caches(kv.tensors, kv.groups, NB)
+    pool = HostPool(num_slots=ROWS, blocks_per_chunk=1, row_bytes=layout.row_bytes, pin=True)
+    blocks, rows = [2, 5, 7], [0, 1, 2]
+    old = KVBlockAccess(layout).read_blocks(blocks)
+    gather = _torchcopy.gather_rows
+
+    def late_gather(*args: Any) -> None:
+        # Hold the store stream (~0.1 s) just before it reads the blocks (after submit's
+        # uploads, so the CPU never waits on it): without the fence, the overwrite below
+        # would run first and the host would get the new contents.
+        torch.cuda._sleep(200_000_000)
+        gather(*args)
+
+    monkeypatch.setattr(_torchcopy, "gather_rows", late_gather)
+    engine = CudaCopyEngine(layout, pool)
+    try:
+        async with ActorSystem() as system:
+            store = await system.spawn(StoreActor(engine))
+            await store.tell(SubmitJob(job=job(1, "store", blocks, rows)))
+            flushed = await store.ask(lambda r: FlushJobs(job_ids=(1,), timeout_s=0.0, reply=r))
+            assert flushed == Flushed(device_fenced=(1,))
+            assert await store.ask(PollFinished) == []  # the flush did not wait for it
+            for t in kv.tensors.values():  # the "forward", on the compute stream
+                for b in blocks:
+                    t[b].fill_(-3.0)
+            torch.cuda.synchronize()
+            [done] = await store.ask(PollFinished)
+            assert done.job_id == 1 and done.ok
+        assert torch.equal(pool.rows[rows, : old.shape[1]], old)  # the old contents
+        new = torch.full_like(kv.tensors["l0"][0], -3.0).contiguous().view(torch.uint8)
+        for name in kv.tensors:
+            for b in blocks:
+                assert torch.equal(kv.block(name, b), new.reshape(-1).cpu())
     finally:
         engine.close()
 

@@ -3,7 +3,11 @@ the CUDA engine's ordering with fake streams and events."""
 
 from __future__ import annotations
 
+import threading
+
 import anyio
+import numpy as np
+import numpy.typing as npt
 import pytest
 import torch
 
@@ -13,18 +17,22 @@ from kvferry.transfer import (
     CompletionBridge,
     CopyJob,
     CudaCopyEngine,
+    Flushed,
     FlushJobs,
     GetStatistics,
     GroupBlocks,
     HostPool,
     JobFailed,
     JobResult,
+    KVLayout,
     LoadActor,
     PollFinished,
     StoreActor,
     SubmitJob,
+    ThreadCopyEngine,
     describe_kv_caches,
 )
+from kvferry.transfer._kernel import batch_kernel
 from kvferry.transfer._testing import ManualCompletion, ManualCopyEngine
 
 
@@ -253,12 +261,19 @@ async def test_flush_waits_for_the_jobs_and_leaves_them_to_the_poll() -> None:
     async with ActorSystem() as system:
         store = await system.spawn(StoreActor(engine))
         await store.tell(SubmitJob(job=job(1)))
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(
-                lambda: store.ask(lambda r: FlushJobs(job_ids=(1, 99), timeout_s=30.0, reply=r))
+        replies: list[Flushed] = []
+
+        async def flush() -> None:
+            replies.append(
+                await store.ask(lambda r: FlushJobs(job_ids=(1, 99), timeout_s=30.0, reply=r))
             )
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(flush)
             await anyio.wait_all_tasks_blocked()
+            assert replies == []
             engine.completions[1].fire()
+        assert replies == [Flushed(cpu_waited=(1,), already_ended=(99,))]
         [result] = await store.ask(PollFinished)
         assert result.job_id == 1 and result.ok
 
@@ -272,6 +287,145 @@ async def test_flush_fails_with_a_timeout_when_a_job_does_not_end() -> None:
         with pytest.raises(TimeoutError):
             await store.ask(lambda r: FlushJobs(job_ids=(1,), timeout_s=0.0, reply=r))
         engine.completions[1].fire()
+
+
+def _small_kv() -> tuple[dict[str, torch.Tensor], HostPool, KVLayout]:
+    kv = {"l0": torch.arange(4 * 64, dtype=torch.float32).reshape(4, 64)}
+    layout = describe_kv_caches(kv, [["l0"]], 4)
+    pool = HostPool(num_slots=4, blocks_per_chunk=1, row_bytes=layout.row_bytes)
+    return kv, pool, layout
+
+
+def _fake_cuda_engine(compute: FakeStream) -> tuple[CudaCopyEngine, list[FakeCudaEvent]]:
+    """The CUDA engine's logic on CPU tensors; ``compute`` is the engine's compute stream."""
+    _, pool, layout = _small_kv()
+    events: list[FakeCudaEvent] = []
+
+    def new_event() -> FakeCudaEvent:
+        events.append(FakeCudaEvent())
+        return events[-1]
+
+    engine = CudaCopyEngine(
+        layout,
+        pool,
+        stream_factory=lambda d: FakeStream(),
+        event_factory=new_event,
+        current_stream=lambda: compute,
+        use_stream=fake_use_stream,
+    )
+    return engine, events
+
+
+@pytest.mark.anyio
+async def test_flush_of_a_cuda_job_fences_the_compute_stream_and_does_not_wait() -> None:
+    compute = FakeStream()
+    engine, events = _fake_cuda_engine(compute)
+    async with ActorSystem() as system:
+        store = await system.spawn(StoreActor(engine))
+        await store.tell(SubmitJob(job=job(1)))
+        await store.tell(SubmitJob(job=job(2)))
+        # timeout 0: any CPU wait would fail (and FakeCudaEvent.synchronize before fire
+        # raises), so the reply proves the flush did not wait.
+        flushed = await store.ask(lambda r: FlushJobs(job_ids=(1,), timeout_s=0.0, reply=r))
+        assert flushed == Flushed(device_fenced=(1,))
+        assert not events[0].query()  # the store may still be reading
+        assert compute.waited_events == [events[0]]  # the forward runs after its reads
+        assert compute.waited_on == []
+        assert await store.ask(PollFinished) == []  # still in flight until its event fires
+        events[0].fire()
+        [result] = await store.ask(PollFinished)
+        assert (result.job_id, result.ok) == (1, True)
+        assert (await store.ask(GetStatistics)).in_flight == 1  # job 2 was never flushed
+
+
+@pytest.mark.anyio
+async def test_flush_of_jobs_that_already_ended_does_nothing() -> None:
+    compute = FakeStream()
+    engine, events = _fake_cuda_engine(compute)
+    async with ActorSystem() as system:
+        store = await system.spawn(StoreActor(engine))
+        await store.tell(SubmitJob(job=job(1)))
+        await store.tell(SubmitJob(job=job(2)))
+        await anyio.wait_all_tasks_blocked()
+        events[0].fire()  # ended, not yet polled
+        events[1].fire()
+        assert [r.job_id for r in await store.ask(PollFinished)] == [1, 2]  # ended, polled
+        await store.tell(SubmitJob(job=job(3)))
+        await anyio.wait_all_tasks_blocked()
+        events[2].fire()
+        flushed = await store.ask(lambda r: FlushJobs(job_ids=(1, 3, 99), timeout_s=0.0, reply=r))
+        assert flushed == Flushed(already_ended=(1, 3, 99))
+        assert compute.waited_events == []
+        [result] = await store.ask(PollFinished)  # the flush left job 3 to the poll
+        assert (result.job_id, result.ok) == (3, True)
+
+
+@pytest.mark.anyio
+async def test_flush_of_a_thread_engine_job_waits_until_it_ended() -> None:
+    kv, pool, layout = _small_kv()
+    gate = threading.Event()
+    _, copy = batch_kernel("memmove")
+
+    def gated(
+        dsts: npt.NDArray[np.int64], srcs: npt.NDArray[np.int64], sizes: npt.NDArray[np.int64]
+    ) -> None:
+        gate.wait()  # the copy thread holds the piece until the test opens the gate
+        copy(dsts, srcs, sizes)
+
+    engine = ThreadCopyEngine(layout, pool, num_threads=1, kernel=gated)  # type: ignore[arg-type]
+    try:
+        async with ActorSystem() as system:
+            store = await system.spawn(StoreActor(engine))
+            await store.tell(SubmitJob(job=job(1, blocks=(2,))))
+            replies: list[Flushed] = []
+
+            async def flush() -> None:
+                replies.append(
+                    await store.ask(lambda r: FlushJobs(job_ids=(1,), timeout_s=30.0, reply=r))
+                )
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(flush)
+                await anyio.wait_all_tasks_blocked()
+                assert replies == []  # waiting on the CPU: the job has not ended
+                gate.set()
+            assert replies == [Flushed(cpu_waited=(1,))]
+            [result] = await store.ask(PollFinished)
+            assert (result.job_id, result.ok) == (1, True)
+        assert torch.equal(pool.rows[2].view(torch.float32), kv["l0"][2])
+    finally:
+        gate.set()
+        engine.close()
+
+
+@pytest.mark.anyio
+async def test_flush_waits_on_the_cpu_when_the_device_fence_fails() -> None:
+    class FenceFails(ManualCompletion):
+        def order_before_compute(self) -> None:
+            raise RuntimeError("CUDA error: an illegal memory access")
+
+    class Engine(ManualCopyEngine):
+        def submit(self, job: CopyJob) -> ManualCompletion:
+            completion = self.completions[job.job_id] = FenceFails()
+            return completion
+
+    engine = Engine()
+    async with ActorSystem() as system:
+        store = await system.spawn(StoreActor(engine))
+        await store.tell(SubmitJob(job=job(1)))
+        replies: list[Flushed] = []
+
+        async def flush() -> None:
+            replies.append(
+                await store.ask(lambda r: FlushJobs(job_ids=(1,), timeout_s=30.0, reply=r))
+            )
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(flush)
+            await anyio.wait_all_tasks_blocked()
+            assert replies == []
+            engine.completions[1].fire()
+        assert replies == [Flushed(cpu_waited=(1,))]
 
 
 # ----------------------------------------------------------------- CUDA ordering
