@@ -181,6 +181,7 @@ class SchedulerStatistics:
     stores_done: int
     stores_failed: int
     stores_fenced: int
+    lookups_deferred: int
     load_bytes: int
     store_bytes: int
     load_seconds: float
@@ -247,6 +248,8 @@ class _Job:
     failed: bool = False
     fenced: tuple[int, ...] = ()
     """Sliding-window blocks this store reads, which vLLM may free before it ends."""
+    keys: tuple[bytes, ...] = ()
+    """The keys a load fills (another request needing them waits for it)."""
 
 
 class SchedulerSide:
@@ -277,6 +280,7 @@ class SchedulerSide:
                 "stores_done",
                 "stores_failed",
                 "stores_fenced",
+                "lookups_deferred",
                 "load_bytes",
                 "store_bytes",
                 "load_seconds",
@@ -293,6 +297,8 @@ class SchedulerSide:
         self._stale_jobs: set[int] = set()
         self._fences: dict[int, set[int]] = {}
         """Engine block id -> store jobs still reading it (sliding-window groups)."""
+        self._loading: dict[bytes, int] = {}
+        """Key -> loads in flight filling it."""
         num_slots = self.geometry.num_slots
 
         kv_events = getattr(vllm_config, "kv_events_config", None)
@@ -353,7 +359,7 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
-    ) -> tuple[int, bool]:
+    ) -> tuple[int | None, bool]:
         st = self._reqs.get(request.request_id)
         if st is None:  # a request vLLM added before the connector saw it
             st = self._reqs[request.request_id] = self._new_req(request)
@@ -393,6 +399,15 @@ class SchedulerSide:
         if new_tokens <= 0:
             st.lookup = None
             return 0, False
+        if self._loading and any(
+            k in self._loading for k in keys[: (hit_chunks - first) * geo.num_groups]
+        ):
+            # Another request is loading some of these blocks: once its load ended they
+            # are in the engine's own prefix cache, so wait for that instead of loading
+            # them twice (vLLM asks again next step).
+            st.lookup = st.counts = None
+            self._c["lookups_deferred"] += 1
+            return None, False
         st.lookup = (num_computed_tokens, hit_chunks)
         return new_tokens, True
 
@@ -461,7 +476,10 @@ class SchedulerSide:
             is_store=False,
             slots=slots,
             tokens=num_external_tokens,
+            keys=tuple(keys),
         )
+        for k in keys:
+            self._loading[k] = self._loading.get(k, 0) + 1
         st.load_job = job_id
         st.stored_upto = max(st.stored_upto, hit_chunks)
         tp = self.trace.job_planned(
@@ -593,6 +611,7 @@ class SchedulerSide:
             "vllm:kvferry_loads_failed": c["loads_failed"],
             "vllm:kvferry_stores_failed": c["stores_failed"],
             "vllm:kvferry_stores_fenced": c["stores_fenced"],
+            "vllm:kvferry_lookups_deferred": c["lookups_deferred"],
             "vllm:kvferry_stores_skipped": d.stores_skipped_present + d.stores_skipped_full,
             "vllm:kvferry_evictions": d.evictions,
         }
@@ -757,6 +776,10 @@ class SchedulerSide:
                 jobs.discard(job_id)
                 if not jobs:
                     del self._fences[block]
+            for k in job.keys:
+                n = self._loading.pop(k) - 1
+                if n:
+                    self._loading[k] = n
             self.trace.job_ended(
                 job_id,
                 ok=not job.failed,

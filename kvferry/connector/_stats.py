@@ -34,6 +34,9 @@ COUNTERS: dict[str, str] = {
         "Store jobs still reading blocks the engine reused (a preemption, a sliding window "
         "moving on): the engine's next compute was ordered after them."
     ),
+    "vllm:kvferry_lookups_deferred": (
+        "Lookups answered 'ask again' because another request was loading the same blocks."
+    ),
     "vllm:kvferry_stores_skipped": "Offloaded blocks not stored (already stored, or no room).",
     "vllm:kvferry_evictions": "Offloaded blocks evicted from host memory.",
 }

@@ -50,5 +50,9 @@ def kv_cache_config() -> Any:
     return KVCacheConfig(
         num_blocks=16,
         kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"], spec)],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"], spec
+            )
+        ],
     )

@@ -10,7 +10,13 @@ from kvferry import ConfigError, FerryConfig
 from kvferry._config import available_host_bytes
 
 
-def build(make_vllm_config: Any, kv_cache_config: Any, extra: dict[str, Any], role: str = "SCHEDULER", **kw: Any) -> Any:
+def build(
+    make_vllm_config: Any,
+    kv_cache_config: Any,
+    extra: dict[str, Any],
+    role: str = "SCHEDULER",
+    **kw: Any,
+) -> Any:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from kvferry.connector import KVFerryConnector
@@ -28,19 +34,42 @@ def build(make_vllm_config: Any, kv_cache_config: Any, extra: dict[str, Any], ro
         ({"cpu_bytes_to_use": "lots"}, "cpu_bytes_to_use", "whole number"),
         ({"cpu_bytes_to_use": 1 << 60}, "cpu_bytes_to_use", "machine has only"),
         ({"cpu_bytes_to_use": 1000}, "cpu_bytes_to_use", "hold no offloaded block"),
-        ({"cpu_bytes_to_use": 10**7, "block_size": 100}, "block_size", "not a multiple of vLLM's block size"),
+        (
+            {"cpu_bytes_to_use": 10**7, "block_size": 100},
+            "block_size",
+            "not a multiple of vLLM's block size",
+        ),
         ({"cpu_bytes_to_use": 10**7, "block_size": 0}, "block_size", "must be > 0"),
         ({"cpu_bytes_to_use": 10**7, "runtime": "fast"}, "runtime", "must be one of"),
-        ({"cpu_bytes_to_use": 10**7, "on_load_failure": "ignore"}, "on_load_failure", "'recompute' or 'fail'"),
-        ({"cpu_bytes_to_use": 10**7, "copy_engine": "no.such.module:f"}, "copy_engine", "cannot import"),
+        (
+            {"cpu_bytes_to_use": 10**7, "on_load_failure": "ignore"},
+            "on_load_failure",
+            "'recompute' or 'fail'",
+        ),
+        (
+            {"cpu_bytes_to_use": 10**7, "copy_engine": "no.such.module:f"},
+            "copy_engine",
+            "cannot import",
+        ),
         ({"cpu_bytes_to_use": 10**7, "eviction_policy": "fifo"}, "eviction_policy", "fifo"),
-        ({"cpu_bytes_to_use": 10**7, "eviction_watermarks": [0.9, 0.5]}, "eviction_watermarks", "low <= high"),
+        (
+            {"cpu_bytes_to_use": 10**7, "eviction_watermarks": [0.9, 0.5]},
+            "eviction_watermarks",
+            "low <= high",
+        ),
         ({"cpu_bytes_to_use": 10**7, "store_threshold": 0}, "store_threshold", ">= 1"),
         ({"cpu_bytes_to_use": 10**7, "traces": {"otlp": 5}}, "traces", "otlp"),
     ],
 )
 @pytest.mark.parametrize("role", ["SCHEDULER", "WORKER"])
-def test_bad_config_names_the_key(make_vllm_config: Any, kv_cache_config: Any, extra: dict[str, Any], key: str, why: str, role: str) -> None:
+def test_bad_config_names_the_key(
+    make_vllm_config: Any,
+    kv_cache_config: Any,
+    extra: dict[str, Any],
+    key: str,
+    why: str,
+    role: str,
+) -> None:
     with pytest.raises(ConfigError, match=why) as info:
         build(make_vllm_config, kv_cache_config, extra, role)
     assert info.value.key.split(".")[0] == key

@@ -8,18 +8,17 @@ to another request is fenced. (tests/e2e/test_hybrid.py runs the same on real vL
 from __future__ import annotations
 
 from collections.abc import Iterator
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
 
 from kvferry import ConfigError
-from kvferry.cache import CompleteStore, PrepareStore
-from kvferry.connector._metadata import KVFerryWorkerMetadata
 from kvferry.connector._scheduler import windowed_hit
 
-BLOCK, WINDOW = 128, 256  # the window spans 2 offloaded blocks
+from ._steps import BLOCK, acked, allocated, key, request, scheduler_side, step, store_keys
+
+WINDOW = 256  # the window spans 2 offloaded blocks
 FULL, SLIDING = 0, 1
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 
@@ -47,52 +46,8 @@ def kv_cache_config(sliding_spec: Any = None) -> Any:
 
 @pytest.fixture
 def scheduler(make_vllm_config: Any) -> Iterator[Any]:
-    from kvferry import FerryConfig
-    from kvferry.connector._scheduler import SchedulerSide
-
-    extra = {"cpu_bytes_to_use": 64 << 20}
-    side = SchedulerSide(make_vllm_config(extra), kv_cache_config(), FerryConfig.from_dict(extra))
-    try:
+    with scheduler_side(make_vllm_config, kv_cache_config()) as side:
         yield side
-    finally:
-        side.shutdown()
-
-
-def request(req_id: str, num_tokens: int, seed: int = 0) -> Any:
-    rng = np.random.default_rng(seed)
-    hashes = [rng.bytes(32) for _ in range(num_tokens // BLOCK)]
-    return SimpleNamespace(
-        request_id=req_id,
-        block_hashes=hashes,
-        num_tokens=num_tokens,
-        num_computed_tokens=0,
-        kv_transfer_params=None,
-        trace_headers=None,
-    )
-
-
-def key(req: Any, chunk: int, group: int) -> bytes:
-    return bytes(req.block_hashes[chunk]) + group.to_bytes(4, "big")
-
-
-def store_keys(side: Any, keys: list[bytes]) -> None:
-    slots = side._ask(lambda r: PrepareStore(keys=tuple(keys), reply=r))
-    assert (slots >= 0).all()
-    side.directory_tell(CompleteStore(slots=slots, ok=True))
-
-
-def step(
-    new: dict[str, tuple[list[int], ...]],
-    scheduled: dict[str, int],
-    preempted: tuple[str, ...] = (),
-) -> Any:
-    """The parts of a SchedulerOutput the connector reads (new requests only)."""
-    return SimpleNamespace(
-        scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=ids) for r, ids in new.items()],
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set()),
-        num_scheduled_tokens=scheduled,
-        preempted_req_ids=set(preempted),
-    )
 
 
 @pytest.mark.parametrize(
@@ -128,8 +83,7 @@ def test_sliding_window_group_hits_with_only_its_window(scheduler: Any) -> None:
 
     # vLLM allocates the window's blocks and pads the rest of the group with its null block.
     full_ids, sliding_ids = list(range(1, 8)), [0, 0, 0, 0, 0, 11, 12]
-    blocks = SimpleNamespace(get_block_ids=lambda: (full_ids, sliding_ids))
-    scheduler.update_state_after_alloc(req, blocks, 7 * BLOCK)
+    scheduler.update_state_after_alloc(req, allocated(full_ids, sliding_ids), 7 * BLOCK)
     [load] = scheduler._pending_loads
     parts = {p.group: p for p in load.copy.parts}
     assert parts[FULL].device_blocks.tolist() == full_ids
@@ -180,15 +134,7 @@ def test_a_store_reading_a_reused_sliding_block_is_fenced(scheduler: Any) -> Non
     assert scheduler.statistics().stores_fenced == 1
 
     # Once the store ended, reusing its blocks needs no fence.
-    scheduler.update_connector_output(
-        SimpleNamespace(
-            kv_connector_worker_meta=KVFerryWorkerMetadata(
-                acks={store.copy.job_id: [1, 0]}, stats={}
-            ),
-            finished_sending=None,
-            finished_recving=None,
-        )
-    )
+    scheduler.update_connector_output(acked(store.copy.job_id))
     d = request("d", 2 * BLOCK, seed=4)
     scheduler.on_new_request(d)
     meta = scheduler.build_connector_meta(step({"d": ([8, 9], [6, 40])}, {"a": 1, "d": 0}))
