@@ -351,6 +351,7 @@ class Directory:
         state = self._state[:-1]
         ready = state == READY
         dropped = int(ready.sum())
+        visible = [] if self._events is None else self._keys_of(np.flatnonzero(ready).tolist())
         pinned = self._pins[:-1] > 0
         state[ready & pinned] = READY_DROPPED
         state[state == STORING] = STORING_DROPPED
@@ -360,8 +361,12 @@ class Directory:
         self.policy.clear()
         self.resets += 1
         if self._events is not None:
-            self._events.clear()  # a clear makes the batch's earlier events moot
-            self._events.append(AllBlocksCleared())
+            # A clear makes the batch's earlier events moot. vLLM's AllBlocksCleared names
+            # no medium, so each block the tier held is also removed by name (medium CPU):
+            # a router tracking media sees exactly what left.
+            self._events[:] = [AllBlocksCleared()]
+            if visible:
+                self._events.append(BlocksRemoved(keys=visible))
         return dropped
 
     # -- events and statistics ----------------------------------------------------------

@@ -4,8 +4,10 @@ to vLLM's ``vllm.distributed.kv_events`` types.
 The directory records a fact for every change a consumer (a KV-aware router) can see:
 :class:`BlocksStored` when stores complete (a block becomes a lookup hit),
 :class:`BlocksRemoved` when visible blocks leave (eviction, clear), and
-:class:`AllBlocksCleared` when the tier is reset. Replaying the records in order over an
-empty set gives exactly the set of keys that are lookup hits — the tests hold that.
+:class:`AllBlocksCleared` when the tier is reset, followed by the :class:`BlocksRemoved`
+of every block it held (vLLM's AllBlocksCleared names no medium). Replaying the records
+in order over an empty set gives exactly the set of keys that are lookup hits — the tests
+hold that.
 
 vLLM is imported only inside :func:`to_vllm_events`, so this module works without it.
 """

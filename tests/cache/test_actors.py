@@ -82,7 +82,8 @@ async def test_reset_cache_clears_the_tier_and_says_so() -> None:
         await d.tell(CompleteStore(slots=slots, ok=True))
         assert await d.ask(ResetCache) == 2
         assert await d.ask(lambda r: Lookup(keys=(k(1),), reply=r)) == 0
-        assert await d.ask(TakeEvents) == [AllBlocksCleared()]
+        # The batch's earlier BlocksStored are moot; each held block is removed by name.
+        assert await d.ask(TakeEvents) == [AllBlocksCleared(), BlocksRemoved(keys=[k(1), k(2)])]
 
 
 async def test_without_a_publisher_take_events_answers_nothing() -> None:
