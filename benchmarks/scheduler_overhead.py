@@ -895,9 +895,10 @@ def main() -> None:
     if kf.moved.load_blocks != vl.moved.load_blocks:
         notes.append(
             f"hit tokens differ (kvferry {kf.moved.load_blocks * args.block}, vLLM "
-            f"{vl.moved.load_blocks * args.block}): vLLM answers None (ask again) while another "
-            "request loads the same chunk, which then comes from the engine's own cache; vLLM's "
-            "worker makes a store visible a step later; eviction policies differ"
+            f"{vl.moved.load_blocks * args.block}): kvferry also stores decoded blocks, which "
+            "take host room from prompt blocks; vLLM's worker makes a store visible a step "
+            "later; eviction policies differ (both answer None while another request loads "
+            "the same chunk)"
         )
     if kf.moved.store_blocks != vl.moved.store_blocks and not args.vllm_offload_decode:
         notes.append(
