@@ -86,6 +86,9 @@ class FerryConfig:
     """How many not-yet-admitted keys the admission filter remembers."""
     traces: Mapping[str, Any] | None = None
     """OpenTelemetry traces (see docs/tracing.md); off unless set or asked by ``OTEL_*``."""
+    store_decoded: bool = True
+    """Store blocks of generated tokens too (a conversation's next turn reuses them);
+    False stores prompt blocks only, as vLLM's OffloadingConnector does by default."""
 
     KEYS = (
         "cpu_bytes_to_use",
@@ -99,6 +102,7 @@ class FerryConfig:
         "store_threshold",
         "store_threshold_tracker_size",
         "traces",
+        "store_decoded",
     )
 
     @classmethod
@@ -149,6 +153,9 @@ class FerryConfig:
         tracker = _positive_int(
             "store_threshold_tracker_size", extra.get("store_threshold_tracker_size", 64_000)
         )
+        store_decoded = extra.get("store_decoded", True)
+        if not isinstance(store_decoded, bool):
+            raise ConfigError("store_decoded", f"must be true or false, got {store_decoded!r}")
         traces = extra.get("traces")
         if traces is not None:
             from .traces import resolve_config
@@ -168,6 +175,7 @@ class FerryConfig:
             job_timeout_s=timeout,
             on_load_failure=on_load_failure,
             copy_engine=copy_engine,
+            store_decoded=store_decoded,
         )
 
     def blocks_per_chunk(self, engine_block_size: int) -> int:

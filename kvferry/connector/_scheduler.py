@@ -673,6 +673,8 @@ class SchedulerSide:
         if not st.store:
             return None
         geo = self.geometry
+        if not self.cfg.store_decoded:
+            computed_tokens = min(computed_tokens, st.request.num_prompt_tokens)
         upto = min(
             computed_tokens // geo.chunk_tokens,
             self._num_keyed_chunks(st.request),

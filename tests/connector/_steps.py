@@ -19,10 +19,10 @@ BLOCK = 128
 
 
 @contextmanager
-def scheduler_side(vllm_config_for: Any, kv_cache_config: Any) -> Iterator[Any]:
+def scheduler_side(vllm_config_for: Any, kv_cache_config: Any, **config: Any) -> Iterator[Any]:
     from kvferry.connector._scheduler import SchedulerSide
 
-    extra = {"cpu_bytes_to_use": 64 << 20}
+    extra = {"cpu_bytes_to_use": 64 << 20, **config}
     side = SchedulerSide(vllm_config_for(extra), kv_cache_config, FerryConfig.from_dict(extra))
     try:
         yield side
@@ -37,6 +37,7 @@ def request(req_id: str, num_tokens: int, seed: int = 0) -> Any:
         request_id=req_id,
         block_hashes=hashes,
         num_tokens=num_tokens,
+        num_prompt_tokens=num_tokens,
         num_computed_tokens=0,
         kv_transfer_params=None,
         trace_headers=None,

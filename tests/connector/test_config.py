@@ -59,6 +59,7 @@ def build(
         ),
         ({"cpu_bytes_to_use": 10**7, "store_threshold": 0}, "store_threshold", ">= 1"),
         ({"cpu_bytes_to_use": 10**7, "traces": {"otlp": 5}}, "traces", "otlp"),
+        ({"cpu_bytes_to_use": 10**7, "store_decoded": "no"}, "store_decoded", "true or false"),
     ],
 )
 @pytest.mark.parametrize("role", ["SCHEDULER", "WORKER"])

@@ -1,6 +1,4 @@
-"""Two requests needing the same offloaded blocks load them once: the second waits
-(vLLM asks it again next step) until the first's load ended, then finds them in the
-engine's own prefix cache."""
+"""The scheduler half, driven by hand: duplicate loads, and which blocks are stored."""
 
 from __future__ import annotations
 
@@ -9,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from ._steps import BLOCK, acked, allocated, key, request, scheduler_side, store_keys
+from ._steps import BLOCK, acked, allocated, key, request, scheduler_side, step, store_keys
 
 
 @pytest.fixture
@@ -19,6 +17,9 @@ def scheduler(make_vllm_config: Any, kv_cache_config: Any) -> Iterator[Any]:
 
 
 def test_a_request_waits_for_another_loading_its_blocks(scheduler: Any) -> None:
+    """Two requests needing the same offloaded blocks load them once: the second waits
+    (vLLM asks it again next step) until the first's load ended, then finds them in the
+    engine's own prefix cache."""
     a, b = request("a", 4 * BLOCK + 8), request("b", 4 * BLOCK + 8)  # the same prompt
     other = request("c", 4 * BLOCK + 8, seed=9)
     store_keys(scheduler, [key(r, c) for r in (a, other) for c in range(4)])
@@ -43,3 +44,20 @@ def test_a_request_waits_for_another_loading_its_blocks(scheduler: Any) -> None:
     # Counted once, when admitted: a's and b's asks, not b's deferred ones.
     scheduler.update_state_after_alloc(b, allocated([5, 6, 7, 8]), 4 * BLOCK)
     assert scheduler.statistics().tokens_hit == 2 * 4 * BLOCK
+
+
+@pytest.mark.parametrize(("store_decoded", "stored"), [(True, 3), (False, 2)])
+def test_store_decoded_switch(
+    make_vllm_config: Any, kv_cache_config: Any, store_decoded: bool, stored: int
+) -> None:
+    with scheduler_side(make_vllm_config, kv_cache_config, store_decoded=store_decoded) as side:
+        a = request("a", 2 * BLOCK + 8)  # a prompt of 2 full blocks and 8 tokens
+        side.on_new_request(a)
+        assert side.get_num_new_matched_tokens(a, 0) == (0, False)
+        meta = side.build_connector_meta(step({"a": ([1, 2, 3],)}, {"a": a.num_tokens}))
+        assert [len(s.copy.parts[0].device_blocks) for s in meta.stores] == [2]
+        # Decoding filled the third block: it has a hash, and its last token runs now.
+        a.num_computed_tokens, a.num_tokens = 3 * BLOCK - 1, 3 * BLOCK
+        a.block_hashes.append(b"decoded-block-hash".ljust(32, b"."))
+        meta = side.build_connector_meta(step({}, {"a": 1}))
+        assert sum(len(s.copy.parts[0].device_blocks) for s in meta.stores) == stored - 2
