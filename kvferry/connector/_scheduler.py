@@ -233,6 +233,8 @@ class _Req:
     """(tokens asked, tokens hit) of the last lookup, counted once the request is admitted."""
     load_job: int | None = None
     store_jobs: set[int] = attrs.field(factory=set)
+    keys: list[bytes] = attrs.field(factory=list)
+    """Offload keys of the request's chunks so far, all groups of a chunk together."""
     finished: bool = False
     tokens_loaded: int = 0
 
@@ -297,6 +299,7 @@ class SchedulerSide:
         self._stale_jobs: set[int] = set()
         self._fences: dict[int, set[int]] = {}
         """Engine block id -> store jobs still reading it (sliding-window groups)."""
+        self._group_suffixes = [g.to_bytes(4, "big") for g in range(self.geometry.num_groups)]
         self._loading: dict[bytes, int] = {}
         """Key -> loads in flight filling it."""
         num_slots = self.geometry.num_slots
@@ -329,15 +332,19 @@ class SchedulerSide:
     # -- keys --------------------------------------------------------------------------
 
     def _keys(self, request: Request, first: int, end: int) -> list[bytes]:
-        """Keys of chunks [first, end), all groups of a chunk together."""
-        hpc = self.geometry.hashes_per_chunk
-        hashes = request.block_hashes
-        keys = []
-        for c in range(first, end):
-            h = bytes(hashes[(c + 1) * hpc - 1])
-            for g in range(self.geometry.num_groups):
-                keys.append(h + g.to_bytes(4, "big"))
-        return keys
+        """Keys of chunks [first, end), all groups of a chunk together (built once per
+        request: its block hashes only grow)."""
+        st = self._reqs.get(request.request_id)
+        keys = st.keys if st is not None else []
+        G = self.geometry.num_groups
+        built = len(keys) // G
+        if end > built:
+            hpc = self.geometry.hashes_per_chunk
+            hashes = request.block_hashes
+            for c in range(built, end):
+                h = bytes(hashes[(c + 1) * hpc - 1])
+                keys.extend([h + suffix for suffix in self._group_suffixes])
+        return keys[first * G : end * G]
 
     def _num_keyed_chunks(self, request: Request) -> int:
         return len(request.block_hashes) // self.geometry.hashes_per_chunk
