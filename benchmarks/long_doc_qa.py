@@ -32,7 +32,6 @@ Prints a table and, last, one JSON object.
 from __future__ import annotations
 
 import argparse
-import gc
 import glob
 import json
 import logging
@@ -104,9 +103,10 @@ def engine(model: str, sizes: Sizes, blocks: int, kvferry: dict[str, Any] | None
 def close(cfg: Config) -> None:
     if cfg.llm is None:
         return
-    cfg.llm.llm_engine.engine_core.shutdown()  # also flushes kvferry's trace exporters
+    from kvferry.testing import close_engine
+
+    close_engine(cfg.llm)  # also flushes kvferry's trace exporters
     cfg.llm = None
-    gc.collect()
 
 
 def reset(cfg: Config, timeout_s: float = 60.0) -> None:

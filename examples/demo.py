@@ -9,7 +9,6 @@ Prints the time of each pass, the tokens loaded from kvferry, and whether the ou
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 import os
 import tempfile
@@ -21,15 +20,13 @@ NUM_DOCS, DOC_TOKENS, ENGINE_BLOCKS = 10, 1500, 32  # 12 blocks of 128 tokens pe
 def run(model: str, kvferry: dict[str, Any] | None, docs: list[list[int]], orders: list[list[int]]) -> Any:
     from vllm import LLM
 
-    from kvferry.testing import engine_args, run_long_doc_passes
+    from kvferry.testing import close_engine, engine_args, run_long_doc_passes
 
     llm = LLM(**engine_args(model, kvferry=kvferry, num_gpu_blocks=ENGINE_BLOCKS))
     run_long_doc_passes(llm, docs[:1], [[0]])  # warm-up, so pass 1 times no compilation
     llm.reset_prefix_cache()
     results = run_long_doc_passes(llm, docs, orders)
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
+    close_engine(llm)
     return results
 
 

@@ -207,6 +207,25 @@ def reask_order(num_docs: int, *, seed: int = 1) -> list[int]:
     return order
 
 
+def close_engine(llm: Any) -> None:
+    """Shut a ``vllm.LLM``'s engine-core process down now (which flushes kvferry's trace
+    exporters in both processes) and collect, so the next engine starts clean."""
+    import gc
+
+    llm.llm_engine.engine_core.shutdown()
+    gc.collect()
+
+
+def kvferry_metrics(llm: Any) -> dict[str, float]:
+    """kvferry's ``vllm:kvferry_*`` metrics of ``llm``, summed per name (with several
+    engines in one process, vLLM's registry shows the last one started)."""
+    metrics: dict[str, float] = {}
+    for m in llm.get_metrics():
+        if m.name.startswith("vllm:kvferry_"):
+            metrics[m.name] = metrics.get(m.name, 0) + (getattr(m, "value", 0) or 0)
+    return metrics
+
+
 def equal_cpu_threads(reserved: int = 1) -> None:
     """Give every vLLM-CPU engine started from now on the same compute threads.
 

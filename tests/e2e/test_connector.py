@@ -9,14 +9,13 @@ Prometheus registry, which the metrics tests read.)
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from kvferry.testing import engine_args, long_doc_prompts
+from kvferry.testing import close_engine, engine_args, long_doc_prompts
 
 pytestmark = pytest.mark.e2e
 
@@ -38,9 +37,7 @@ class Engine:
         return sum(getattr(m, "value", 0) or 0 for m in self.llm.get_metrics() if m.name == name)
 
     def close(self) -> None:
-        self.llm.llm_engine.engine_core.shutdown()
-        del self.llm
-        gc.collect()
+        close_engine(self.llm)
 
 
 def tokens(outs: list[Any]) -> list[list[int]]:

@@ -7,7 +7,6 @@ Engines start once per module (each costs ~30 s).
 
 from __future__ import annotations
 
-import gc
 import os
 import subprocess
 import sys
@@ -17,7 +16,13 @@ from typing import Any
 
 import pytest
 
-from kvferry.testing import engine_args, long_doc_prompts, reask_order, run_long_doc_passes
+from kvferry.testing import (
+    close_engine,
+    engine_args,
+    long_doc_prompts,
+    reask_order,
+    run_long_doc_passes,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -39,9 +44,7 @@ def run_two_passes(model: Path, kvferry: dict[str, Any] | None) -> dict[str, Any
         for r in results
     ]
     metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
+    close_engine(llm)
     return {"passes": passes, "metrics": metrics}
 
 

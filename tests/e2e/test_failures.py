@@ -9,13 +9,19 @@ The faults come from a copy engine plugged in through the ``copy_engine`` config
 
 from __future__ import annotations
 
-import gc
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from kvferry.testing import engine_args, long_doc_prompts, reask_order, run_long_doc_passes
+from kvferry.testing import (
+    close_engine,
+    engine_args,
+    kvferry_metrics,
+    long_doc_prompts,
+    reask_order,
+    run_long_doc_passes,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -28,13 +34,8 @@ def run(model: Path, kvferry: dict[str, Any] | None) -> dict[str, Any]:
     llm = LLM(**engine_args(model, kvferry=kvferry, disable_log_stats=False))
     docs = long_doc_prompts(NUM_DOCS, DOC_TOKENS, seed=31)
     results = run_long_doc_passes(llm, docs, [list(range(NUM_DOCS)), reask_order(NUM_DOCS)])
-    metrics: dict[str, float] = {}
-    for m in llm.get_metrics():
-        if m.name.startswith("vllm:kvferry_"):
-            metrics[m.name] = metrics.get(m.name, 0) + (getattr(m, "value", 0) or 0)
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
+    metrics = kvferry_metrics(llm)
+    close_engine(llm)
     return {"tokens": [r.tokens for r in results], "loaded": [r.loaded for r in results], "metrics": metrics}
 
 

@@ -7,14 +7,15 @@ sliding-window group loads only its window.
 
 from __future__ import annotations
 
-import gc
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvferry.testing import (
+    close_engine,
     engine_args,
+    kvferry_metrics,
     long_doc_prompts,
     make_tiny_model,
     reask_order,
@@ -50,14 +51,9 @@ def run(model: Path, kvferry: dict[str, Any] | None) -> dict[str, Any]:
         docs = long_doc_prompts(NUM_DOCS, DOC_TOKENS)
         orders = [list(range(NUM_DOCS)), reask_order(NUM_DOCS)]
         results = run_long_doc_passes(llm, docs, orders, max_tokens=MAX_TOKENS)
-        metrics: dict[str, float] = {}
-        for m in llm.get_metrics():
-            if m.name.startswith("vllm:kvferry_"):
-                metrics[m.name] = metrics.get(m.name, 0) + (getattr(m, "value", 0) or 0)
+        metrics = kvferry_metrics(llm)
     finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
+        close_engine(llm)
     return {"results": results, "metrics": metrics}
 
 

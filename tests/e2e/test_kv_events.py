@@ -26,7 +26,6 @@ those of an engine without kvferry, token for token.
 
 from __future__ import annotations
 
-import gc
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -35,7 +34,7 @@ from typing import Any
 
 import pytest
 
-from kvferry.testing import engine_args, long_doc_prompts, reask_order
+from kvferry.testing import close_engine, engine_args, long_doc_prompts, reask_order
 
 pytestmark = pytest.mark.e2e
 
@@ -193,12 +192,6 @@ def workload(llm: Any, with_resets: bool) -> dict[str, Any]:
     return out
 
 
-def close(llm: Any) -> None:
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
-
-
 @pytest.fixture(scope="module")
 def baseline(tiny_model: Path) -> dict[str, Any]:
     from vllm import LLM
@@ -207,7 +200,7 @@ def baseline(tiny_model: Path) -> dict[str, Any]:
     try:
         return workload(llm, with_resets=False)
     finally:
-        close(llm)
+        close_engine(llm)
 
 
 @pytest.fixture(scope="module")
@@ -260,7 +253,7 @@ def with_kvferry(
             out["num_live"], out["num_replayed"] = sub.num_live, sub.num_replayed
             out["expected_clears"] = expected_clears
         finally:
-            close(llm)
+            close_engine(llm)
     finally:
         sub.close()
     return out

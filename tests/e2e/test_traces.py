@@ -5,13 +5,12 @@ the worker process joined under the load span."""
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from kvferry.testing import OTLPReceiver, ReceivedSpan, engine_args, long_doc_prompts
+from kvferry.testing import OTLPReceiver, ReceivedSpan, close_engine, engine_args, long_doc_prompts
 from kvferry.traces import SPAN_COPY, SPAN_LOAD, SPAN_LOOKUP, SPAN_REQUEST, SPAN_STORE
 
 pytestmark = pytest.mark.e2e
@@ -37,9 +36,7 @@ def run(model: Path, traces: dict[str, object] | None, docs: list[list[int]]) ->
         [out] = llm.generate([TokensPrompt(prompt_token_ids=doc)], params, use_tqdm=False)
         outs.append(list(out.outputs[0].token_ids))
         llm.reset_prefix_cache()  # the next identical prompt must come from kvferry
-    llm.llm_engine.engine_core.shutdown()  # flushes the exporters of both processes
-    del llm
-    gc.collect()
+    close_engine(llm)  # flushes the exporters of both processes
     return outs
 
 

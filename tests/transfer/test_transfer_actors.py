@@ -4,6 +4,8 @@ the CUDA engine's ordering with fake streams and events."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import anyio
 import numpy as np
@@ -316,6 +318,21 @@ def _fake_cuda_engine(compute: FakeStream) -> tuple[CudaCopyEngine, list[FakeCud
     return engine, events
 
 
+async def assert_flush_waits_until(store: Any, end_job: Callable[[], None]) -> None:
+    """A flush of job 1 waits on the CPU until ``end_job`` ends the job, then says so."""
+    replies: list[Flushed] = []
+
+    async def flush() -> None:
+        replies.append(await store.ask(lambda r: FlushJobs(job_ids=(1,), timeout_s=30.0, reply=r)))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(flush)
+        await anyio.wait_all_tasks_blocked()
+        assert replies == []  # waiting on the CPU: the job has not ended
+        end_job()
+    assert replies == [Flushed(cpu_waited=(1,))]
+
+
 @pytest.mark.anyio
 async def test_flush_of_a_cuda_job_fences_the_compute_stream_and_does_not_wait() -> None:
     compute = FakeStream()
@@ -377,19 +394,7 @@ async def test_flush_of_a_thread_engine_job_waits_until_it_ended() -> None:
         async with ActorSystem() as system:
             store = await system.spawn(StoreActor(engine))
             await store.tell(SubmitJob(job=job(1, blocks=(2,))))
-            replies: list[Flushed] = []
-
-            async def flush() -> None:
-                replies.append(
-                    await store.ask(lambda r: FlushJobs(job_ids=(1,), timeout_s=30.0, reply=r))
-                )
-
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(flush)
-                await anyio.wait_all_tasks_blocked()
-                assert replies == []  # waiting on the CPU: the job has not ended
-                gate.set()
-            assert replies == [Flushed(cpu_waited=(1,))]
+            await assert_flush_waits_until(store, gate.set)
             [result] = await store.ask(PollFinished)
             assert (result.job_id, result.ok) == (1, True)
         assert torch.equal(pool.rows[2].view(torch.float32), kv["l0"][2])
@@ -413,19 +418,7 @@ async def test_flush_waits_on_the_cpu_when_the_device_fence_fails() -> None:
     async with ActorSystem() as system:
         store = await system.spawn(StoreActor(engine))
         await store.tell(SubmitJob(job=job(1)))
-        replies: list[Flushed] = []
-
-        async def flush() -> None:
-            replies.append(
-                await store.ask(lambda r: FlushJobs(job_ids=(1,), timeout_s=30.0, reply=r))
-            )
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(flush)
-            await anyio.wait_all_tasks_blocked()
-            assert replies == []
-            engine.completions[1].fire()
-        assert replies == [Flushed(cpu_waited=(1,))]
+        await assert_flush_waits_until(store, lambda: engine.completions[1].fire())
 
 
 # ----------------------------------------------------------------- CUDA ordering
@@ -485,23 +478,7 @@ def test_cuda_path_orders_after_compute_and_ends_with_an_event() -> None:
 
 
 def test_cuda_job_failing_half_way_ends_only_after_what_was_enqueued() -> None:
-    kv = {"l0": torch.zeros(4, 64)}
-    layout = describe_kv_caches(kv, [["l0"]], 4)
-    pool = HostPool(num_slots=4, blocks_per_chunk=1, row_bytes=layout.row_bytes)
-    events: list[FakeCudaEvent] = []
-
-    def new_event() -> FakeCudaEvent:
-        events.append(FakeCudaEvent())
-        return events[-1]
-
-    engine = CudaCopyEngine(
-        layout,
-        pool,
-        stream_factory=lambda d: FakeStream(),
-        event_factory=new_event,
-        current_stream=object,
-        use_stream=fake_use_stream,
-    )
+    engine, events = _fake_cuda_engine(FakeStream())
 
     def out_of_memory(direction: str) -> torch.Tensor:
         raise RuntimeError("CUDA OOM")
