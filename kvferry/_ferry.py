@@ -14,9 +14,9 @@ bookkeeping (which key lives in which host slot), a :class:`~kvferry.transfer.St
 and a :class:`~kvferry.transfer.LoadActor` run the copies on the copy engine (copy
 threads on the CPU, CUDA streams on a GPU). One key names one engine block.
 
-Waiting for a copy never blocks the loop: the copy runs on a copy thread (or a CUDA
-stream), and the waiting caller polls its actor with a short ``anyio.sleep`` back-off,
-so concurrent stores and loads keep the copy engine busy in parallel.
+Waiting for a copy never blocks the loop: the copy runs on a copy thread (or CUDA
+streams), a watcher thread waits for its completion, and the caller is woken when that
+thread returns; concurrent stores and loads keep the copy engine busy in parallel.
 
 Who owns what: the Ferry owns the host pool and the copy engine; the actors own the
 directory and the jobs in flight. Every method must be called on the loop that entered
@@ -38,7 +38,7 @@ from opentelemetry import trace
 
 from ._errors import TransferError
 from ._logging import get_logger
-from .actors import ActorRef, ActorSystem
+from .actors import ActorRef, ActorSystem, Reply
 from .cache import (
     CompleteLoad,
     CompleteStore,
@@ -58,21 +58,15 @@ from .transfer import (
     JobResult,
     KVLayout,
     LoadActor,
-    PollFinished,
     StoreActor,
     SubmitJob,
     TransferMsg,
+    capture_compute,
     describe_kv_caches,
     new_copy_engine,
 )
 
 Key = bytes
-
-_POLL_FIRST_S = 50e-6
-_POLL_MAX_S = 2e-3
-"""How often a caller waiting for its copy asks the transfer actor (doubling from first
-to max): polling costs the loop little and keeps the actor's mailbox free, where a
-blocking flush would hold it for the whole copy."""
 
 
 class Ferry:
@@ -114,8 +108,6 @@ class Ferry:
         self._copy_engine = copy_engine
         self._system = ActorSystem(stop_timeout_s=stop_timeout_s, tracer_provider=tracer_provider)
         self._job_ids = itertools.count(1)
-        self._results: dict[int, JobResult] = {}
-        self._waiting: dict[int, anyio.Event] = {}
         self._pool: HostPool | None = None
         self._engine: CopyEngine | None = None
         self._directory: ActorRef[DirectoryMsg] | None = None
@@ -253,29 +245,18 @@ class Ferry:
         blocks: npt.NDArray[np.int64],
         rows: npt.NDArray[np.int64],
     ) -> JobResult:
-        """Submit one copy job and wait for its result, polling the actor."""
-        job_id = next(self._job_ids)
+        """Submit one copy job and wait for its result: the actor answers ``notify``
+        when a watcher thread sees the job's completion end (no polling)."""
         job = CopyJob(
-            job_id=job_id,
+            job_id=next(self._job_ids),
             direction=direction,
             parts=(GroupBlocks(group=0, device_blocks=blocks, host_rows=rows),),
             timeout_s=self._job_timeout_s,
         )
-        done = self._waiting[job_id] = anyio.Event()
-        try:
-            await ref.tell(SubmitJob(job=job))
-            delay = _POLL_FIRST_S
-            while not done.is_set():
-                # Whoever polls hands every ended job to its waiter, so concurrent
-                # callers share the polls.
-                for result in await ref.ask(PollFinished):
-                    self._results[result.job_id] = result
-                    waiter = self._waiting.pop(result.job_id, None)
-                    if waiter is not None:
-                        waiter.set()
-                with anyio.move_on_after(delay):
-                    await done.wait()
-                delay = min(delay * 2, _POLL_MAX_S)
-            return self._results.pop(job_id)
-        finally:
-            self._waiting.pop(job_id, None)
+        if self._engine is None:
+            raise RuntimeError("use the Ferry inside `async with`")
+        notify: Reply[JobResult] = Reply()
+        # Ordered after the caller's compute stream (on CUDA), captured on this thread.
+        mark = capture_compute(self._engine)
+        await ref.tell(SubmitJob(job=job, compute=mark, notify=notify))
+        return await notify.wait()

@@ -4,6 +4,8 @@ machine at hand, and helpers to run real engines deterministically.
 - :class:`FakeCudaEvent` / :class:`FakeStream`: stand-ins for ``torch.cuda.Event`` and
   ``torch.cuda.Stream``; a test completes (or fails) events by hand, in any order, and
   reads what each stream was ordered after (``wait_stream``, ``wait_event``).
+- :class:`FakeCudaDevice`: the device ops of the CUDA copy engine on CPU tensors (the
+  Triton kernel interpreted), with a current stream per thread and counts of launches.
 - :class:`FakeCopyEngine`: records submitted jobs and hands out fake events.
 - :func:`make_tiny_model`: writes a tiny random-weight model (config + safetensors) to a
   folder, with weights large enough that outputs depend on every KV value — so a test
@@ -12,10 +14,8 @@ machine at hand, and helpers to run real engines deterministically.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,10 @@ from .traces._testing import OTLPReceiver as OTLPReceiver
 from .traces._testing import ReceivedSpan as ReceivedSpan
 from .traces._testing import decode_request as decode_request
 from .transfer import CopyJob
+from .transfer._fakecuda import FakeCudaDevice as FakeCudaDevice
+from .transfer._fakecuda import FakeCudaEvent as FakeCudaEvent
+from .transfer._fakecuda import FakeStream as FakeStream
+from .transfer._fakecuda import fake_use_stream as fake_use_stream
 from .transfer._testing import GARBAGE_BYTE as GARBAGE_BYTE
 from .transfer._testing import Fault as Fault
 from .transfer._testing import FaultyCopyEngine as FaultyCopyEngine
@@ -56,57 +60,6 @@ fail_loads_and_stores = faulty_engine_factory(
     Fault(direction="load", every=2), Fault(direction="store", every=3)
 )
 """A ``copy_engine`` factory: every 2nd load and every 3rd store fail (after garbling)."""
-
-
-@attrs.define(eq=False)
-class FakeCudaEvent:
-    """A completion the test fires by hand: ``query()`` is False until :meth:`fire`."""
-
-    _fired: bool = False
-    _error: BaseException | None = None
-    recorded_on: Any = None
-
-    def record(self, stream: Any = None) -> None:
-        self.recorded_on = stream
-
-    def query(self) -> bool:
-        return self._fired
-
-    def synchronize(self) -> None:
-        if not self._fired:
-            raise RuntimeError("FakeCudaEvent.synchronize() before fire(): the test would hang")
-
-    def exception(self) -> BaseException | None:
-        return self._error if self._fired else None
-
-    def fire(self, error: BaseException | None = None) -> None:
-        self._fired = True
-        self._error = error
-
-
-@attrs.define(eq=False)
-class FakeStream:
-    """A stand-in for ``torch.cuda.Stream`` that records what it was ordered after:
-    other streams (``wait_stream``) in ``waited_on``, events (``wait_event``) in
-    ``waited_events``."""
-
-    waited_on: list[Any] = attrs.field(factory=list)
-    waited_events: list[Any] = attrs.field(factory=list)
-
-    def wait_stream(self, other: Any) -> None:
-        self.waited_on.append(other)
-
-    def wait_event(self, event: Any) -> None:
-        self.waited_events.append(event)
-
-    def synchronize(self) -> None:
-        pass
-
-
-@contextlib.contextmanager
-def fake_use_stream(stream: Any) -> Iterator[None]:
-    """A stand-in for ``torch.cuda.stream(s)``."""
-    yield
 
 
 @attrs.define(eq=False)

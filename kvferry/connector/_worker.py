@@ -17,8 +17,9 @@ from .. import traces
 from .._config import FerryConfig, load_object
 from .._errors import TransferError
 from .._logging import get_logger
-from ..actors import ActorRef, ActorSystem, start_runtime
+from ..actors import ActorRef, ActorSystem, SyncRuntime, start_runtime
 from ..transfer import (
+    CopyJob,
     Flushed,
     FlushJobs,
     HostPool,
@@ -26,8 +27,9 @@ from ..transfer import (
     LoadActor,
     PollFinished,
     StoreActor,
-    SubmitJob,
+    SubmitJobs,
     TransferMsg,
+    capture_compute,
     describe_kv_caches,
     new_copy_engine,
 )
@@ -61,7 +63,7 @@ class WorkerSide:
         self._log = get_logger("kvferry.connector", role="worker")
         self.pool: HostPool | None = None
         self._refs: _Refs | None = None
-        self.runtime = None
+        self.runtime: SyncRuntime | None = None
         self._load_req: dict[int, tuple[str, list[int]]] = {}
         self._store_req: dict[int, str] = {}
         self._stores_of: dict[str, set[int]] = {}
@@ -126,10 +128,15 @@ class WorkerSide:
         if not pending:
             return
         refs = self._refs
+        # The compute stream to fence is this thread's (vLLM's model thread), whatever
+        # thread runs the actors.
+        mark = capture_compute(self._engine)
         try:
             flushed: Flushed = self.runtime.call(  # type: ignore[union-attr]
                 refs.store.ask,
-                lambda r: FlushJobs(job_ids=pending, timeout_s=self.cfg.job_timeout_s, reply=r),
+                lambda r: FlushJobs(
+                    job_ids=pending, timeout_s=self.cfg.job_timeout_s, reply=r, compute=mark
+                ),
             )
         except TimeoutError as exc:
             raise TransferError(
@@ -149,7 +156,7 @@ class WorkerSide:
             blocks = [int(b) for p in spec.copy.parts for b in p.device_blocks]
             self._load_req[spec.copy.job_id] = (spec.req_id, blocks)
         self._remember_traces(meta.loads)
-        self.runtime.call(self._submit, self._refs.load, [s.copy for s in meta.loads])  # type: ignore[union-attr]
+        self._submit(self._refs.load, [s.copy for s in meta.loads])
 
     def wait_for_save(self, meta: KVFerryMetadata) -> None:
         if self._refs is None:
@@ -160,7 +167,7 @@ class WorkerSide:
         self._releasing.update(meta.release_req_ids)
         self._remember_traces(meta.stores)
         if meta.stores:
-            self.runtime.call(self._submit, self._refs.store, [s.copy for s in meta.stores])  # type: ignore[union-attr]
+            self._submit(self._refs.store, [s.copy for s in meta.stores])
 
     def _remember_traces(self, specs: list[JobSpec]) -> None:
         if not self.trace.enabled:
@@ -170,10 +177,12 @@ class WorkerSide:
             if spec.traceparent is not None:
                 self._traceparents[spec.copy.job_id] = (spec.traceparent, now)
 
-    @staticmethod
-    async def _submit(ref: ActorRef[TransferMsg], jobs: list) -> None:  # type: ignore[type-arg]
-        for job in jobs:
-            await ref.tell(SubmitJob(job=job))
+    def _submit(self, ref: ActorRef[TransferMsg], jobs: list[CopyJob]) -> None:
+        """The step's jobs of one direction as one batch, ordered after the compute
+        enqueued so far on this thread's stream (vLLM's model thread: its compute
+        stream), whichever thread runs the actors."""
+        msg = SubmitJobs(jobs=tuple(jobs), compute=capture_compute(self._engine))
+        self.runtime.call(ref.tell, msg)  # type: ignore[union-attr]
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         if self._refs is None:
@@ -221,8 +230,8 @@ class WorkerSide:
 
     @staticmethod
     async def _poll(refs: _Refs) -> list[JobResult]:
-        loads = await refs.load.ask(lambda r: PollFinished(reply=r))
-        stores = await refs.store.ask(lambda r: PollFinished(reply=r))
+        loads: list[JobResult] = await refs.load.ask(lambda r: PollFinished(reply=r))
+        stores: list[JobResult] = await refs.store.ask(lambda r: PollFinished(reply=r))
         return loads + stores
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -1,16 +1,22 @@
 """StoreActor (device → host) and LoadActor (host → device).
 
-Who sends what: the worker-side facade tells ``SubmitJob`` for each job of an engine
-step and asks ``PollFinished`` once per step; ``FlushJobs`` fences given jobs before the
-engine reuses blocks a store still reads. Each actor owns its direction's in-flight jobs
-and their completions; nothing else touches them. Both actors may share one copy
-engine, which serves loads before stores and runs several jobs of each direction at
-once (see the engines).
+Who sends what: the worker-side facade tells one ``SubmitJobs`` per engine step and
+direction (the step's jobs as one batch, with the engine's :class:`ComputeMark` captured
+on the engine's thread) and asks ``PollFinished`` once per step; ``FlushJobs`` fences
+given jobs before the engine reuses blocks a store still reads. An embedding caller
+(:class:`~kvferry.Ferry`) tells ``SubmitJob`` with a ``notify`` reply instead of polling:
+a watcher actor waits for the job's completion in a worker thread
+(``Completion.synchronize``), and the job's result answers ``notify`` as soon as that
+thread returns — the caller's loop is woken, never polled.
+
+Each actor owns its direction's in-flight jobs and their completions; nothing else
+touches them. Both actors may share one copy engine, which serves loads before stores
+and runs several jobs of each direction at once (see the engines).
 
 How ``FlushJobs`` fences a job still in flight depends on its completion: one that is
 :class:`~kvferry.transfer.DeviceFenced` (a CUDA event) gets a stream dependency — the
-compute stream (the current stream of the actors' thread, the engine thread under the
-stepped runtime) waits on the job's event, so the forward's writes are ordered after the
+compute stream (the mark's, captured on the engine's thread, whichever thread runs the
+actors) waits on the job's event, so the forward's writes are ordered after the
 store's reads on the device, and the ask returns at once; any other (the copy threads)
 is waited for on the CPU until it ends, within ``timeout_s``. A job that already ended
 needs nothing. The reply, :class:`Flushed`, says which way each job went. Either way the
@@ -36,16 +42,27 @@ still write.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeAlias, assert_never
 
 import anyio
+import anyio.to_thread
 import attrs
 
+from .._errors import ActorStopped
 from .._logging import get_logger
-from ..actors import Actor, Reply
+from ..actors import Actor, ActorRef, Reply
 from ._completion import CompletionBridge
-from ._copy import Cancellable, Completion, CopyEngine, CopyJob, DeviceFenced, Direction
+from ._copy import (
+    Cancellable,
+    Completion,
+    CopyEngine,
+    CopyJob,
+    DeviceFenced,
+    Direction,
+    EndedCompletion,
+    submit_batch,
+)
 
 
 @attrs.frozen(kw_only=True)
@@ -88,7 +105,21 @@ class TransferStatistics:
 
 @attrs.frozen(kw_only=True)
 class SubmitJob:
+    """Start ``job``. ``compute``: the engine's mark (see ``capture_compute``), captured
+    on the engine's thread. With ``notify``, the job's result answers it when the job
+    ends (and no poll reports it)."""
+
     job: CopyJob
+    compute: object | None = attrs.field(default=None, eq=False)
+    notify: Reply[JobResult] | None = attrs.field(default=None, eq=False, repr=False)
+
+
+@attrs.frozen(kw_only=True)
+class SubmitJobs:
+    """Start ``jobs`` as one batch (one engine step, one direction); see :class:`SubmitJob`."""
+
+    jobs: tuple[CopyJob, ...]
+    compute: object | None = attrs.field(default=None, eq=False)
 
 
 @attrs.frozen(kw_only=True)
@@ -123,6 +154,9 @@ class FlushJobs:
     job_ids: tuple[int, ...]
     timeout_s: float
     reply: Reply[Flushed] = attrs.field(eq=False, repr=False)
+    compute: object | None = attrs.field(default=None, eq=False)
+    """The engine's mark, captured on the engine's thread: its compute stream is the one
+    fenced (default: the stream each job was ordered after)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -130,7 +164,30 @@ class GetStatistics:
     reply: Reply[TransferStatistics] = attrs.field(eq=False, repr=False)
 
 
-TransferMsg: TypeAlias = SubmitJob | PollFinished | FlushJobs | GetStatistics
+@attrs.frozen(kw_only=True)
+class _Swept:
+    """From the watcher: a completion it waited for has ended; collect what ended."""
+
+
+@attrs.frozen(kw_only=True)
+class _Watch:
+    completion: Completion = attrs.field(eq=False)
+
+
+TransferMsg: TypeAlias = SubmitJob | SubmitJobs | PollFinished | FlushJobs | GetStatistics | _Swept
+
+
+class _Watcher(Actor[_Watch]):
+    """Waits, in a worker thread, for each completion it is given (in order), and tells
+    its owner when one ended. The owner's loop is woken by the thread's return."""
+
+    def __init__(self, owner: ActorRef[TransferMsg]) -> None:
+        self.owner = owner
+
+    async def handle(self, msg: _Watch) -> None:
+        if not _has_ended(msg.completion):
+            await anyio.to_thread.run_sync(msg.completion.synchronize, abandon_on_cancel=True)
+        await self.owner.tell(_Swept())
 
 
 @attrs.define(eq=False)
@@ -164,6 +221,8 @@ class TransferActor(Actor[TransferMsg]):
         self._clock = clock
         self._jobs: dict[int, _InFlight] = {}
         self._ended: list[JobResult] = []
+        self._notify: dict[int, Reply[JobResult]] = {}
+        self._watcher: ActorRef[_Watch] | None = None
         self._done = 0
         self._failed = 0
         self._bytes = 0
@@ -171,41 +230,94 @@ class TransferActor(Actor[TransferMsg]):
 
     async def handle(self, msg: TransferMsg) -> None:
         match msg:
-            case SubmitJob(job=job):
-                self._submit(job)
+            case SubmitJob(job=job, compute=compute, notify=notify):
+                if notify is not None:
+                    self._notify[job.job_id] = notify
+                self._submit((job,), compute)
+                if notify is not None and job.job_id in self._jobs:
+                    await self._watch(job.job_id)
+                self._answer_notified()
+            case SubmitJobs(jobs=jobs, compute=compute):
+                self._submit(jobs, compute)
+            case _Swept():
+                self._collect()
+                self._answer_notified()
             case PollFinished(reply=reply):
                 self._collect()
+                self._answer_notified()
                 ended, self._ended = self._ended, []
                 reply.set(ended)
-            case FlushJobs(job_ids=job_ids, timeout_s=timeout_s, reply=reply):
-                reply.set(await self._flush(job_ids, timeout_s))
+            case FlushJobs(job_ids=job_ids, timeout_s=timeout_s, reply=reply, compute=compute):
+                reply.set(await self._flush(job_ids, timeout_s, compute))
             case GetStatistics(reply=reply):
                 reply.set(self.statistics())
             case _:
                 assert_never(msg)
 
-    def _submit(self, job: CopyJob) -> None:
-        if job.direction != self.direction:
-            self._fail(
-                job, 0.0, f"a {job.direction} job sent to the {self.direction} actor", "rejected"
-            )
-            return
-        if job.job_id in self._jobs:
-            self._fail(job, 0.0, f"job id {job.job_id} is already in flight", "rejected")
+    async def on_stop(self) -> None:
+        for job_id, notify in self._notify.items():
+            notify.fail(ActorStopped(f"{type(self).__name__} stopped before job {job_id} ended"))
+        self._notify.clear()
+
+    def _submit(self, jobs: Sequence[CopyJob], compute: object | None) -> None:
+        accepted: list[CopyJob] = []
+        ids: set[int] = set()
+        for job in jobs:
+            if job.direction != self.direction:
+                error = f"a {job.direction} job sent to the {self.direction} actor"
+                self._fail(job, 0.0, error, "rejected")
+            elif job.job_id in self._jobs or job.job_id in ids:
+                self._fail(job, 0.0, f"job id {job.job_id} is already in flight", "rejected")
+            else:
+                accepted.append(job)
+                ids.add(job.job_id)
+        if not accepted:
             return
         try:
-            completion = self.engine.submit(job)
-        except Exception as exc:
-            self._log.error("job_submit_failed", job_id=job.job_id, exc_info=exc)
-            self._fail(job, 0.0, repr(exc), "submit")
+            completions = submit_batch(self.engine, accepted, compute)
+        except Exception as exc:  # nothing was enqueued
+            self._log.error("job_submit_failed", job_ids=sorted(ids), exc_info=exc)
+            for job in accepted:
+                self._fail(job, 0.0, repr(exc), "submit")
             return
         now = self._clock()
-        timeout = job.timeout_s if job.timeout_s is not None else self.job_timeout_s
-        deadline = now + timeout if timeout is not None else float("inf")
-        self._jobs[job.job_id] = _InFlight(job=job, started=now, deadline=deadline)
-        self.bridge.add(job.job_id, completion)
+        for job, completion in zip(accepted, completions, strict=True):
+            refused = completion.exception() if isinstance(completion, EndedCompletion) else None
+            if refused is not None:
+                self._log.error("job_submit_failed", job_id=job.job_id, error=repr(refused))
+                self._fail(job, 0.0, repr(refused), "submit")
+                continue
+            timeout = job.timeout_s if job.timeout_s is not None else self.job_timeout_s
+            deadline = now + timeout if timeout is not None else float("inf")
+            self._jobs[job.job_id] = _InFlight(job=job, started=now, deadline=deadline)
+            self.bridge.add(job.job_id, completion)
 
-    async def _flush(self, job_ids: tuple[int, ...], timeout_s: float) -> Flushed:
+    async def _watch(self, job_id: int) -> None:
+        completion = self.bridge.get(job_id)
+        if completion is None:
+            return
+        if self._watcher is None:
+            self._watcher = await self.system.spawn(
+                _Watcher(self.ref), name=f"{self.ref.name}.watcher"
+            )
+        await self._watcher.tell(_Watch(completion=completion))
+
+    def _answer_notified(self) -> None:
+        """Hand ended jobs that someone is waiting for to their ``notify`` replies."""
+        if not self._notify or not self._ended:
+            return
+        kept: list[JobResult] = []
+        for result in self._ended:
+            notify = self._notify.pop(result.job_id, None)
+            if notify is None:
+                kept.append(result)
+            else:
+                notify.set(result)
+        self._ended = kept
+
+    async def _flush(
+        self, job_ids: tuple[int, ...], timeout_s: float, compute: object | None
+    ) -> Flushed:
         fenced: list[int] = []
         waited: list[int] = []
         ended: list[int] = []
@@ -216,7 +328,7 @@ class TransferActor(Actor[TransferMsg]):
                 continue
             if isinstance(completion, DeviceFenced):
                 try:
-                    completion.order_before_compute()
+                    completion.order_before_compute(compute)
                 except Exception as exc:  # e.g. a sticky CUDA error: wait instead
                     self._log.warning("device_fence_failed", job_id=job_id, exc_info=exc)
                 else:

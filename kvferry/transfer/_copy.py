@@ -19,12 +19,12 @@ soon as it is reported; a failed store's host slot is reused as soon as it is re
 from __future__ import annotations
 
 import concurrent.futures
+from collections.abc import Sequence
 from typing import Literal, Protocol, runtime_checkable
 
 import attrs
 import numpy as np
 import numpy.typing as npt
-import torch
 
 from .._errors import TransferError
 from ._kernel import batch_kernel
@@ -115,20 +115,72 @@ class DeviceFenced(Protocol):
     the engine is about to reuse; completions without it are waited for on the CPU.
     """
 
-    def order_before_compute(self) -> None:
-        """Make work enqueued afterwards on the calling thread's compute stream run only
-        once this job's copies have finished; returns at once (the job may still run)."""
+    def order_before_compute(self, mark: object | None = None) -> None:
+        """Make work enqueued afterwards on the engine's compute stream (``mark``'s, from
+        the engine's ``capture_compute``; default: the stream the job was ordered after)
+        run only once this job's copies have finished; returns at once (the job may
+        still run)."""
 
 
 class CopyEngine(Protocol):
     """Runs jobs. ``submit`` is called from one thread (the transfer actors' loop);
-    it raises only when nothing of the job was started."""
+    it raises only when nothing of the job was started.
+
+    Engines may also offer ``submit_batch(jobs, compute)`` (all of a step's jobs of one
+    direction at once: one plan, one launch) and ``capture_compute()`` (where the
+    engine's compute stands, captured on the engine's thread); :func:`submit_batch` and
+    :func:`capture_compute` fall back to one ``submit`` per job and to no mark.
+    """
 
     def submit(self, job: CopyJob) -> Completion: ...
 
     def job_bytes(self, job: CopyJob) -> int: ...
 
     def close(self) -> None: ...
+
+
+class EndedCompletion:
+    """A :class:`Completion` that has already ended (with ``error``, or done)."""
+
+    __slots__ = ("_error",)
+
+    def __init__(self, error: BaseException | None) -> None:
+        self._error = error
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+
+def capture_compute(engine: CopyEngine) -> object | None:
+    """The engine's mark of where its compute stands (a CUDA engine: an event recorded
+    on the calling thread's current stream), or None for engines without one. Call it on
+    the thread that runs the engine's forward, inside the engine's call."""
+    capture = getattr(engine, "capture_compute", None)
+    return capture() if callable(capture) else None
+
+
+def submit_batch(
+    engine: CopyEngine, jobs: Sequence[CopyJob], compute: object | None = None
+) -> list[Completion]:
+    """Submit ``jobs`` as one batch where the engine can, else one by one; a completion
+    per job, in order. A job the engine refuses gets a completion ended with the error."""
+    batch = getattr(engine, "submit_batch", None)
+    if callable(batch):
+        completions: list[Completion] = batch(jobs, compute)
+        return completions
+    out: list[Completion] = []
+    for job in jobs:
+        try:
+            out.append(engine.submit(job))
+        except Exception as exc:
+            out.append(EndedCompletion(exc))
+    return out
 
 
 def job_bytes(layout: KVLayout, job: CopyJob) -> int:
@@ -156,24 +208,26 @@ class FutureCompletion:
         return self._future.exception()
 
 
-def copy_job(layout: KVLayout, pool: HostPool, job: CopyJob, *, non_blocking: bool = False) -> int:
-    """Run ``job`` now, on the calling thread; returns the bytes moved.
-
-    On the CPU the copies are done when it returns. On CUDA they are enqueued on the
-    current stream (and done when it returns unless ``non_blocking``).
-    """
+def copy_job(layout: KVLayout, pool: HostPool, job: CopyJob) -> int:
+    """Run ``job`` now and return the bytes moved, once the copies are done (on CUDA,
+    ordered after the calling thread's current stream, through a one-off engine)."""
     check_job(layout, job, pool.rows.shape[0], pool.row_bytes)
     if layout.device.type == "cpu":
         _, kernel = batch_kernel()
         plan = plan_job(layout, job, pool.rows.data_ptr(), pool.rows.stride(0))
         kernel(plan.dsts, plan.srcs, plan.sizes)
         return plan.nbytes
-    from ._torchcopy import torch_copy_job
+    from ._cuda import CudaCopyEngine
 
-    staging = torch.empty(
-        (max(job.num_blocks, 1), pool.row_bytes), dtype=torch.uint8, device=layout.device
-    )
-    torch_copy_job(layout, pool.rows, job, staging, non_blocking=non_blocking)
+    engine = CudaCopyEngine(layout, pool, staging_bytes=max(job.num_blocks, 1) * pool.row_bytes)
+    try:
+        completion = engine.submit(job)
+        completion.synchronize()
+        error = completion.exception()
+    finally:
+        engine.close()
+    if error is not None:
+        raise TransferError(f"job {job.job_id} failed: {error!r}") from error
     return job_bytes(layout, job)
 
 

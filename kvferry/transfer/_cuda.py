@@ -1,51 +1,147 @@
 """The CUDA path of the copy engine: the only module that touches ``torch.cuda``.
 
-Per direction, one side stream ordered after the compute stream (``wait_stream``), so a
-store reads KV only after the compute that wrote it, and a load writes only after
-earlier work on its destination blocks. The load stream has the higher priority (a
-request waits on it). A job is a few batched ops on its stream (see
-:mod:`._torchcopy`): device-side gathers/scatters into a staging buffer, and one
-contiguous ``non_blocking`` copy per run of host rows to or from the pinned host pool.
-Each job ends with an event created ``blocking=True`` (so a waiter thread sleeps in
-``synchronize`` instead of spinning).
+A step batch (every job of one direction that the engine step hands over) is planned
+with numpy (:mod:`._pages`): a page table in staging order, cut into pieces of one
+staging slot, and the runs of consecutive host rows of each piece. Per direction there
+are two streams, a *kernel* stream and a *DMA* stream, and a ring of staging slots in
+device memory. For each piece:
 
-Who owns what: ``submit`` runs on the thread that owns the transfer actors, whose
-current stream is the engine's compute stream (vLLM calls the connector on the engine
-thread). Each direction's staging buffer is used only by that direction's stream, so
-stream order keeps a job from overwriting staging the previous job still reads.
+- store: the kernel stream gathers the piece's pages (one Triton launch,
+  :mod:`._triton`) into a slot; the DMA stream waits for that and copies each run of host
+  rows, one contiguous device→host copy per run, into the pinned host pool;
+- load: the DMA stream copies each run of host rows into a slot; the kernel stream waits
+  for that and scatters the slot into the engine's blocks (one launch).
 
-A job is never reported ended while its copies can still write: if ``submit`` fails
-half way, an event is still recorded after what was enqueued, and the job ends, failed,
-when that event completes.
+So the gather of piece k+1 overlaps the DMA of piece k, and loads and stores run at once
+on their own streams (loads at the higher priority). A slot is reused only after its
+last use ended: the stream about to write it waits on that use's event — a device-side
+wait, so when the ring is full, later pieces are queued on the device and issued as
+slots free, and the calling thread never waits. The page table goes up once per batch,
+from a pinned buffer (torch's pinned allocator keeps it until the upload ran).
 
-Fencing without a CPU wait: before the engine reuses device blocks a store still reads
-(a preempted request's, a sliding window's), the store actor calls the job's
-:meth:`EventCompletion.order_before_compute`, which makes the compute stream wait on
-the job's event (``current_stream().wait_event(event)``). The forward's writes are then
-ordered after the store's reads on the device, and the engine thread returns at once.
-Like ``submit``, it relies on the current stream of the actors' thread being the
-compute stream. The event covers whatever was enqueued, so this holds for a job whose
-submission failed half way too.
+Ordering against the engine's compute: the caller captures a :class:`ComputeMark` on
+the thread that runs the engine's forward, inside the engine's call (vLLM runs each
+model thread on its own compute stream; the actors may run on another thread, whose
+current stream is not the engine's). The batch's first stream waits on the event the
+mark recorded, so a store reads KV only after the forward that wrote it, and a load
+writes blocks only after earlier work on them. Fencing a store before the engine reuses
+its blocks (:meth:`EventCompletion.order_before_compute`) makes the mark's compute
+stream wait on the job's event: no CPU wait.
 
-Streams and events come from factories so that the logic is unit-tested on a CPU with the
-fakes of :mod:`kvferry.testing`.
+Every job ends with an event created ``blocking=True`` (a waiter thread sleeps in
+``synchronize`` instead of spinning). A job is never reported ended while its copies
+can still write: if a batch fails half way, the jobs not fully enqueued end, failed,
+with an event recorded after everything the batch enqueued.
+
+Streams, events, uploads and launches go through a :class:`DeviceOps`, so the engine's
+logic runs on a CPU with the fakes of :mod:`kvferry.testing` (and the Triton kernel under
+``TRITON_INTERPRET=1``).
+
+Who owns what: the engine is used from one thread (the transfer actors' loop); its
+staging slots are written only by its streams.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
+import attrs
+import numpy as np
 import torch
 
 from .._logging import get_logger
-from ._copy import CopyJob, Direction, job_bytes
+from ._copy import Completion, CopyJob, Direction, EndedCompletion, job_bytes
 from ._layout import KVLayout
+from ._pages import PageTemplate, element_bytes, page_table, plan_batch
 from ._plan import check_job
 from ._pool import HostPool
-from ._torchcopy import torch_copy_job
 
 DEFAULT_STAGING_BYTES = 64 << 20
+"""Device memory for staging, per direction, split into :data:`DEFAULT_RING_SLOTS` slots."""
+DEFAULT_RING_SLOTS = 4
+
+
+class DeviceOps(Protocol):
+    """What the engine needs of a device (real: :class:`TorchCudaOps`; fakes:
+    :class:`kvferry.testing.FakeCudaDevice`)."""
+
+    device: torch.device
+
+    def new_stream(self, direction: Direction) -> Any: ...
+
+    def new_event(self) -> Any:
+        """An event created ``blocking=True``: ``record(stream)``, ``query()``,
+        ``synchronize()``."""
+
+    def current_stream(self) -> Any:
+        """The calling thread's current stream."""
+
+    def use_stream(self, stream: Any) -> AbstractContextManager[Any]: ...
+
+    def pinned(self, n: int) -> torch.Tensor:
+        """A pinned int64 host buffer of ``n`` elements."""
+
+    def upload(self, host: torch.Tensor) -> torch.Tensor:
+        """``host`` (pinned) copied to the device on the current stream, without waiting."""
+
+    def memcpy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """A contiguous copy (host↔device) on the current stream, without waiting."""
+
+    def copy_pages(
+        self, table: torch.Tensor, lo: int, hi: int, num_pages: int, elem_bytes: int
+    ) -> None:
+        """One kernel launch on the current stream: pages ``lo:hi`` of ``table``."""
+
+
+class TorchCudaOps:
+    """:class:`DeviceOps` of a real CUDA device."""
+
+    def __init__(self, device: torch.device) -> None:
+        import torch.cuda
+
+        self.device = device
+        self._cuda = torch.cuda
+
+    def new_stream(self, direction: Direction) -> Any:
+        # Lower number = higher priority: loads overtake stores on the device.
+        priority = -1 if direction == "load" else 0
+        return self._cuda.Stream(device=self.device, priority=priority)  # type: ignore[no-untyped-call]
+
+    def new_event(self) -> Any:
+        return self._cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+
+    def current_stream(self) -> Any:
+        return self._cuda.current_stream(self.device)
+
+    def use_stream(self, stream: Any) -> AbstractContextManager[Any]:
+        return self._cuda.stream(stream)
+
+    def pinned(self, n: int) -> torch.Tensor:
+        return torch.empty(n, dtype=torch.int64, pin_memory=True)
+
+    def upload(self, host: torch.Tensor) -> torch.Tensor:
+        return host.to(self.device, non_blocking=True)
+
+    def memcpy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src, non_blocking=True)
+
+    def copy_pages(
+        self, table: torch.Tensor, lo: int, hi: int, num_pages: int, elem_bytes: int
+    ) -> None:
+        from ._triton import copy_pages
+
+        copy_pages(table, lo, hi, num_pages, elem_bytes)
+
+
+@attrs.frozen
+class ComputeMark:
+    """Where the engine's compute stood when a job was handed over: its compute stream
+    (captured on the engine's thread) and an event recorded on it then."""
+
+    stream: Any = attrs.field(eq=False)
+    event: Any = attrs.field(eq=False)
 
 
 class EventCompletion:
@@ -55,27 +151,24 @@ class EventCompletion:
     when the event (recorded after what was enqueued) completes. An error raised by the
     event itself (a sticky CUDA error) ends the job with that error.
 
-    It is :class:`~kvferry.transfer.DeviceFenced`: ``current_stream`` returns the
-    compute stream that :meth:`order_before_compute` makes wait on the event.
+    It is :class:`~kvferry.transfer.DeviceFenced`: :meth:`order_before_compute` makes a
+    compute stream wait on the event.
     """
 
-    __slots__ = ("_event", "_current_stream", "_error")
+    __slots__ = ("_event", "_compute", "_error")
 
-    def __init__(
-        self,
-        event: Any,
-        current_stream: Callable[[], Any],
-        error: BaseException | None = None,
-    ) -> None:
+    def __init__(self, event: Any, compute: Any, error: BaseException | None = None) -> None:
         self._event = event
-        self._current_stream = current_stream
+        self._compute = compute
         self._error = error
 
-    def order_before_compute(self) -> None:
-        """The compute stream waits on this job's event: work enqueued on it afterwards
-        (a forward overwriting the job's device blocks) runs after the job's copies.
-        Never blocks the calling thread."""
-        self._current_stream().wait_event(self._event)
+    def order_before_compute(self, mark: Any = None) -> None:
+        """The compute stream (``mark``'s, else the one the job was ordered after) waits
+        on this job's event: work enqueued on it afterwards (a forward overwriting the
+        job's device blocks) runs after the job's copies. Never blocks the calling
+        thread."""
+        stream = mark.stream if isinstance(mark, ComputeMark) else self._compute
+        stream.wait_event(self._event)
 
     def query(self) -> bool:
         try:
@@ -97,8 +190,36 @@ class EventCompletion:
         return self._error or (own() if callable(own) else None)
 
 
+@attrs.frozen(kw_only=True)
+class CudaEngineStatistics:
+    """Counters of a :class:`CudaCopyEngine` (what it asked of the device)."""
+
+    batches: int
+    jobs: int
+    pieces: int
+    kernel_launches: int
+    dma_copies: int
+    table_uploads: int
+
+
+@attrs.define(eq=False)
+class _Lane:
+    """One direction: its two streams and its ring of staging slots."""
+
+    kernel: Any
+    dma: Any
+    slots: list[torch.Tensor]
+    free: list[Any]
+    """Per slot, the event after its last use (None: never used)."""
+    next: int = 0
+
+
 class CudaCopyEngine:
-    """Streams, staging and events for one device; see the module docstring."""
+    """Streams, a staging ring and events for one device; see the module docstring.
+
+    ``staging_bytes`` of device memory per direction, split into ``ring_slots`` slots (at
+    least one host row each). ``ops`` replaces the device (tests pass fakes).
+    """
 
     def __init__(
         self,
@@ -106,76 +227,196 @@ class CudaCopyEngine:
         pool: HostPool,
         *,
         staging_bytes: int = DEFAULT_STAGING_BYTES,
-        stream_factory: Callable[[Direction], Any] | None = None,
-        event_factory: Callable[[], Any] | None = None,
-        current_stream: Callable[[], Any] | None = None,
-        use_stream: Callable[[Any], Any] | None = None,
+        ring_slots: int = DEFAULT_RING_SLOTS,
+        ops: DeviceOps | None = None,
     ) -> None:
-        if stream_factory is None:
-            import torch.cuda
-
-            device = layout.device
-
-            def stream_factory(direction: Direction) -> Any:
-                # Lower number = higher priority: loads overtake stores on the device.
-                priority = -1 if direction == "load" else 0
-                return torch.cuda.Stream(device=device, priority=priority)  # type: ignore[no-untyped-call]
-
-            def event_factory() -> Any:
-                return torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
-
-            current_stream = lambda: torch.cuda.current_stream(device)  # noqa: E731
-            use_stream = torch.cuda.stream
+        if ring_slots < 1:
+            raise ValueError(f"ring_slots must be >= 1, got {ring_slots}")
+        if ops is None:
+            ops = TorchCudaOps(layout.device)
             if not pool.rows.is_pinned():
                 get_logger("kvferry.transfer").warning(
                     "host_pool_not_pinned", hint="copies will be synchronous and slow"
                 )
-        assert event_factory and current_stream and use_stream
         self.layout = layout
         self.pool = pool
-        self._event_factory = event_factory
-        self._current_stream = current_stream
-        self._use_stream = use_stream
-        self._streams: dict[Direction, Any] = {
-            "store": stream_factory("store"),
-            "load": stream_factory("load"),
-        }
-        self._staging_rows = max(1, staging_bytes // pool.row_bytes)
-        self._staging: dict[Direction, torch.Tensor] = {}
+        self.ops = ops
+        self.slot_rows = max(1, staging_bytes // ring_slots // pool.row_bytes)
+        self.ring_slots = ring_slots
+        self._templates = [PageTemplate.of(g) for g in layout.groups]
+        self._lanes: dict[Direction, _Lane] = {}
+        self._counts = dict.fromkeys(
+            ("batches", "jobs", "pieces", "kernel_launches", "dma_copies", "table_uploads"), 0
+        )
 
     def job_bytes(self, job: CopyJob) -> int:
         return job_bytes(self.layout, job)
 
-    def _staging_for(self, direction: Direction) -> torch.Tensor:
-        """Allocated on first use, inside the direction's stream, so the caching
-        allocator ties it to that stream."""
-        buf = self._staging.get(direction)
-        if buf is None:
-            buf = torch.empty(
-                (self._staging_rows, self.pool.row_bytes),
-                dtype=torch.uint8,
-                device=self.layout.device,
-            )
-            self._staging[direction] = buf
-        return buf
+    def capture_compute(self) -> ComputeMark:
+        """Record where the calling thread's compute stream stands (call it on the
+        engine's thread, inside the engine's call)."""
+        stream = self.ops.current_stream()
+        event = self.ops.new_event()
+        event.record(stream)
+        return ComputeMark(stream, event)
 
-    def submit(self, job: CopyJob) -> EventCompletion:
-        """Enqueue ``job`` on its direction's stream; raises (enqueuing nothing) if it
-        names blocks or rows that do not exist."""
+    def statistics(self) -> CudaEngineStatistics:
+        return CudaEngineStatistics(**self._counts)
+
+    def _lane(self, direction: Direction) -> _Lane:
+        lane = self._lanes.get(direction)
+        if lane is None:
+            rows = self.slot_rows * self.ring_slots
+            ring = torch.empty(
+                (rows, self.pool.row_bytes), dtype=torch.uint8, device=self.ops.device
+            )
+            lane = _Lane(
+                kernel=self.ops.new_stream(direction),
+                dma=self.ops.new_stream(direction),
+                slots=[ring[i : i + self.slot_rows] for i in range(0, rows, self.slot_rows)],
+                free=[None] * self.ring_slots,
+            )
+            self._lanes[direction] = lane
+        return lane
+
+    def submit(self, job: CopyJob, compute: ComputeMark | None = None) -> Completion:
+        """Enqueue one job; raises (enqueuing nothing) if it names blocks or rows that
+        do not exist."""
         check_job(self.layout, job, self.pool.rows.shape[0], self.pool.row_bytes)
-        stream = self._streams[job.direction]
-        stream.wait_stream(self._current_stream())
-        error: BaseException | None = None
-        with self._use_stream(stream):
+        [completion] = self.submit_batch([job], compute)
+        return completion
+
+    def submit_batch(
+        self, jobs: Sequence[CopyJob], compute: ComputeMark | None = None
+    ) -> list[Completion]:
+        """Enqueue ``jobs`` as one batch per direction; a completion per job, in order.
+
+        A job that names blocks or rows that do not exist gets a completion that has
+        already ended with that error; the others go on. ``compute`` orders the batch
+        after the engine's compute (default: the calling thread's current stream now).
+        """
+        out: list[Completion | None] = [None] * len(jobs)
+        by_direction: dict[Direction, list[int]] = {}
+        for i, job in enumerate(jobs):
             try:
-                staging = self._staging_for(job.direction)
-                torch_copy_job(self.layout, self.pool.rows, job, staging, non_blocking=True)
-            except Exception as exc:  # part may be enqueued: end only after it
-                error = exc
-            event = self._event_factory()
-            event.record(stream)
-        return EventCompletion(event, self._current_stream, error)
+                check_job(self.layout, job, self.pool.rows.shape[0], self.pool.row_bytes)
+            except (IndexError, ValueError) as exc:
+                out[i] = EndedCompletion(exc)
+                continue
+            by_direction.setdefault(job.direction, []).append(i)
+        if by_direction:
+            mark = compute if compute is not None else self.capture_compute()
+            order: tuple[Direction, ...] = ("load", "store")  # loads first: a request waits
+            for direction in order:
+                index = by_direction.get(direction)
+                if index:
+                    done = self._batch(direction, [jobs[i] for i in index], mark)
+                    for i, completion in zip(index, done, strict=True):
+                        out[i] = completion
+        return [c for c in out if c is not None]
+
+    def _batch(
+        self, direction: Direction, jobs: list[CopyJob], mark: ComputeMark
+    ) -> list[Completion]:
+        ops = self.ops
+        plan = plan_batch(jobs, self.slot_rows)
+        self._counts["batches"] += 1
+        self._counts["jobs"] += len(jobs)
+        if plan.num_rows == 0:
+            return [EndedCompletion(None) for _ in jobs]
+        lane = self._lane(direction)
+        slot_ids = (lane.next + np.arange(plan.num_pieces)) % self.ring_slots
+        lane.next = int(slot_ids[-1] + 1) % self.ring_slots
+        bases = np.array([s.data_ptr() for s in lane.slots], dtype=np.int64)[slot_ids]
+        row_stride = self.pool.row_bytes
+        table, bounds = page_table(
+            plan, self._templates, bases, row_stride, to_device=direction == "load"
+        )
+        num_pages = len(table) // 3
+        elem = element_bytes(table)
+        host = self.pool.rows
+        load = direction == "load"
+        first, second = (lane.dma, lane.kernel) if load else (lane.kernel, lane.dma)
+        piece_events: list[Any] = []
+        error: BaseException | None = None
+        try:
+            pinned = ops.pinned(len(table))
+            pinned.numpy()[:] = table
+            # The copy that writes the engine's blocks (load: the scatter) or reads them
+            # (store: the gather) is the one ordered after the compute.
+            lane.kernel.wait_event(mark.event)
+            with ops.use_stream(lane.kernel):
+                device_table = ops.upload(pinned)
+            self._counts["table_uploads"] += 1
+            for k in range(plan.num_pieces):
+                s = int(slot_ids[k])
+                slot = lane.slots[s]
+                if lane.free[s] is not None:
+                    first.wait_event(lane.free[s])
+                with ops.use_stream(first):
+                    if load:
+                        self._dma(plan, k, slot, host, to_slot=True)
+                    else:
+                        self._launch(device_table, bounds, k, num_pages, elem)
+                    handed = ops.new_event()
+                    handed.record(first)
+                second.wait_event(handed)
+                with ops.use_stream(second):
+                    if load:
+                        self._launch(device_table, bounds, k, num_pages, elem)
+                    else:
+                        self._dma(plan, k, slot, host, to_slot=False)
+                    ended = ops.new_event()
+                    ended.record(second)
+                lane.free[s] = ended
+                piece_events.append(ended)
+                self._counts["pieces"] += 1
+        except Exception as exc:  # part may be enqueued: those jobs end only after it
+            error = exc
+            get_logger("kvferry.transfer").error(
+                "batch_submit_failed", direction=direction, jobs=len(jobs), exc_info=exc
+            )
+            at_dma = ops.new_event()
+            at_dma.record(lane.dma)
+            lane.kernel.wait_event(at_dma)
+            last = ops.new_event()
+            last.record(lane.kernel)
+            # a slot's next user must wait for whatever this batch enqueued
+            lane.free = [last] * self.ring_slots
+        completions: list[Completion] = []
+        for j in plan.job_piece.tolist():
+            if j < 0:
+                completions.append(EndedCompletion(None))
+            elif j < len(piece_events):
+                completions.append(EventCompletion(piece_events[j], mark.stream))
+            else:
+                completions.append(EventCompletion(last, mark.stream, error))
+        return completions
+
+    def _launch(self, table: torch.Tensor, bounds: Any, k: int, num_pages: int, elem: int) -> None:
+        self.ops.copy_pages(table, int(bounds[k]), int(bounds[k + 1]), num_pages, elem)
+        self._counts["kernel_launches"] += 1
+
+    def _dma(
+        self, plan: Any, k: int, slot: torch.Tensor, host: torch.Tensor, *, to_slot: bool
+    ) -> None:
+        a, b = int(plan.run_bounds[k]), int(plan.run_bounds[k + 1])
+        base = k * plan.slot_rows
+        runs = zip(
+            plan.runs_host[a:b].tolist(),
+            plan.runs_pos[a:b].tolist(),
+            plan.runs_len[a:b].tolist(),
+            strict=True,
+        )
+        for h0, p0, n in runs:
+            i0 = p0 - base
+            if to_slot:
+                self.ops.memcpy(slot[i0 : i0 + n], host[h0 : h0 + n])
+            else:
+                self.ops.memcpy(host[h0 : h0 + n], slot[i0 : i0 + n])
+        self._counts["dma_copies"] += b - a
 
     def close(self) -> None:
-        for stream in self._streams.values():
-            stream.synchronize()
+        for lane in self._lanes.values():
+            lane.kernel.synchronize()
+            lane.dma.synchronize()

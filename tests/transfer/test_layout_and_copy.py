@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvferry import HostMemoryError
-from kvferry.testing import FakeCudaEvent, FakeStream, fake_use_stream
+from kvferry.testing import FakeCudaDevice
 from kvferry.transfer import (
     CopyEngine,
     CopyJob,
@@ -164,22 +164,11 @@ def test_a_plan_splits_into_pieces_of_about_piece_bytes() -> None:
 # ----------------------------------------------------------------- round trips
 
 
-def _fired_event() -> FakeCudaEvent:
-    event = FakeCudaEvent()
-    event.fire()  # CPU tensors: the ops ran when enqueued
-    return event
-
-
 def _fake_cuda(layout: KVLayout, pool: HostPool) -> CopyEngine:
-    """The CUDA engine's logic on CPU tensors; a staging buffer of 2 rows forces pieces."""
+    """The CUDA engine's logic on CPU tensors (the Triton kernel interpreted); a ring of
+    two 1-row slots forces pieces and slot reuse."""
     return CudaCopyEngine(
-        layout,
-        pool,
-        staging_bytes=2 * pool.row_bytes,
-        stream_factory=lambda d: FakeStream(),
-        event_factory=_fired_event,
-        current_stream=object,
-        use_stream=fake_use_stream,
+        layout, pool, staging_bytes=2 * pool.row_bytes, ring_slots=2, ops=FakeCudaDevice()
     )
 
 

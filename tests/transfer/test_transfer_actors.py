@@ -1,5 +1,5 @@
-"""Store/Load actors over the completion bridge, driven with completions fired by hand;
-the CUDA engine's ordering with fake streams and events."""
+"""Store/Load actors over the completion bridge, driven with completions fired by hand
+(the CUDA engine's own logic: test_cuda_engine.py)."""
 
 from __future__ import annotations
 
@@ -14,11 +14,10 @@ import pytest
 import torch
 
 from kvferry.actors import ActorSystem
-from kvferry.testing import FakeCopyEngine, FakeCudaEvent, FakeStream, fake_use_stream
+from kvferry.testing import FakeCopyEngine, FakeCudaEvent
 from kvferry.transfer import (
     CompletionBridge,
     CopyJob,
-    CudaCopyEngine,
     Flushed,
     FlushJobs,
     GetStatistics,
@@ -298,26 +297,6 @@ def _small_kv() -> tuple[dict[str, torch.Tensor], HostPool, KVLayout]:
     return kv, pool, layout
 
 
-def _fake_cuda_engine(compute: FakeStream) -> tuple[CudaCopyEngine, list[FakeCudaEvent]]:
-    """The CUDA engine's logic on CPU tensors; ``compute`` is the engine's compute stream."""
-    _, pool, layout = _small_kv()
-    events: list[FakeCudaEvent] = []
-
-    def new_event() -> FakeCudaEvent:
-        events.append(FakeCudaEvent())
-        return events[-1]
-
-    engine = CudaCopyEngine(
-        layout,
-        pool,
-        stream_factory=lambda d: FakeStream(),
-        event_factory=new_event,
-        current_stream=lambda: compute,
-        use_stream=fake_use_stream,
-    )
-    return engine, events
-
-
 async def assert_flush_waits_until(store: Any, end_job: Callable[[], None]) -> None:
     """A flush of job 1 waits on the CPU until ``end_job`` ends the job, then says so."""
     replies: list[Flushed] = []
@@ -331,50 +310,6 @@ async def assert_flush_waits_until(store: Any, end_job: Callable[[], None]) -> N
         assert replies == []  # waiting on the CPU: the job has not ended
         end_job()
     assert replies == [Flushed(cpu_waited=(1,))]
-
-
-@pytest.mark.anyio
-async def test_flush_of_a_cuda_job_fences_the_compute_stream_and_does_not_wait() -> None:
-    compute = FakeStream()
-    engine, events = _fake_cuda_engine(compute)
-    async with ActorSystem() as system:
-        store = await system.spawn(StoreActor(engine))
-        await store.tell(SubmitJob(job=job(1)))
-        await store.tell(SubmitJob(job=job(2)))
-        # timeout 0: any CPU wait would fail (and FakeCudaEvent.synchronize before fire
-        # raises), so the reply proves the flush did not wait.
-        flushed = await store.ask(lambda r: FlushJobs(job_ids=(1,), timeout_s=0.0, reply=r))
-        assert flushed == Flushed(device_fenced=(1,))
-        assert not events[0].query()  # the store may still be reading
-        assert compute.waited_events == [events[0]]  # the forward runs after its reads
-        assert compute.waited_on == []
-        assert await store.ask(PollFinished) == []  # still in flight until its event fires
-        events[0].fire()
-        [result] = await store.ask(PollFinished)
-        assert (result.job_id, result.ok) == (1, True)
-        assert (await store.ask(GetStatistics)).in_flight == 1  # job 2 was never flushed
-
-
-@pytest.mark.anyio
-async def test_flush_of_jobs_that_already_ended_does_nothing() -> None:
-    compute = FakeStream()
-    engine, events = _fake_cuda_engine(compute)
-    async with ActorSystem() as system:
-        store = await system.spawn(StoreActor(engine))
-        await store.tell(SubmitJob(job=job(1)))
-        await store.tell(SubmitJob(job=job(2)))
-        await anyio.wait_all_tasks_blocked()
-        events[0].fire()  # ended, not yet polled
-        events[1].fire()
-        assert [r.job_id for r in await store.ask(PollFinished)] == [1, 2]  # ended, polled
-        await store.tell(SubmitJob(job=job(3)))
-        await anyio.wait_all_tasks_blocked()
-        events[2].fire()
-        flushed = await store.ask(lambda r: FlushJobs(job_ids=(1, 3, 99), timeout_s=0.0, reply=r))
-        assert flushed == Flushed(already_ended=(1, 3, 99))
-        assert compute.waited_events == []
-        [result] = await store.ask(PollFinished)  # the flush left job 3 to the poll
-        assert (result.job_id, result.ok) == (3, True)
 
 
 @pytest.mark.anyio
@@ -406,7 +341,7 @@ async def test_flush_of_a_thread_engine_job_waits_until_it_ended() -> None:
 @pytest.mark.anyio
 async def test_flush_waits_on_the_cpu_when_the_device_fence_fails() -> None:
     class FenceFails(ManualCompletion):
-        def order_before_compute(self) -> None:
+        def order_before_compute(self, mark: object = None) -> None:
             raise RuntimeError("CUDA error: an illegal memory access")
 
     class Engine(ManualCopyEngine):
@@ -422,99 +357,3 @@ async def test_flush_waits_on_the_cpu_when_the_device_fence_fails() -> None:
 
 
 # ----------------------------------------------------------------- CUDA ordering
-
-
-def test_cuda_path_orders_after_compute_and_ends_with_an_event() -> None:
-    kv = {"l0": torch.arange(4 * 64, dtype=torch.float32).reshape(4, 64)}
-    layout = describe_kv_caches(kv, [["l0"]], 4)
-    pool = HostPool(num_slots=4, blocks_per_chunk=1, row_bytes=layout.row_bytes)
-    compute = object()
-    streams: dict[str, FakeStream] = {}
-    events: list[FakeCudaEvent] = []
-    entered: list[object] = []
-
-    def new_stream(direction: str) -> FakeStream:
-        streams[direction] = FakeStream()
-        return streams[direction]
-
-    def new_event() -> FakeCudaEvent:
-        events.append(FakeCudaEvent())
-        return events[-1]
-
-    def use_stream(stream: object) -> object:
-        entered.append(stream)
-        return fake_use_stream(stream)
-
-    engine = CudaCopyEngine(
-        layout,
-        pool,
-        stream_factory=new_stream,
-        event_factory=new_event,
-        current_stream=lambda: compute,
-        use_stream=use_stream,
-    )
-    completion = engine.submit(
-        CopyJob(
-            job_id=1,
-            direction="store",
-            parts=(GroupBlocks(group=0, device_blocks=[2], host_rows=[0]),),
-        )
-    )
-    assert streams["store"].waited_on == [compute]  # ordered after the compute stream
-    assert entered == [streams["store"]]  # the copies were enqueued on the side stream
-    assert events[0].recorded_on is streams["store"]
-    assert not completion.query()
-    events[0].fire()
-    assert completion.query() and completion.exception() is None
-    assert torch.equal(pool.rows[0].view(torch.float32), kv["l0"][2])
-    engine.submit(
-        CopyJob(
-            job_id=2,
-            direction="load",
-            parts=(GroupBlocks(group=0, device_blocks=[3], host_rows=[0]),),
-        )
-    )
-    assert streams["load"].waited_on == [compute] and events[1].recorded_on is streams["load"]
-
-
-def test_cuda_job_failing_half_way_ends_only_after_what_was_enqueued() -> None:
-    engine, events = _fake_cuda_engine(FakeStream())
-
-    def out_of_memory(direction: str) -> torch.Tensor:
-        raise RuntimeError("CUDA OOM")
-
-    engine._staging_for = out_of_memory  # type: ignore[method-assign]
-    completion = engine.submit(
-        CopyJob(
-            job_id=1,
-            direction="load",
-            parts=(GroupBlocks(group=0, device_blocks=[1], host_rows=[1]),),
-        )
-    )
-    assert not completion.query()  # an event was still recorded after the partial work
-    events[0].fire()
-    assert completion.query() and "CUDA OOM" in repr(completion.exception())
-
-
-def test_cuda_submit_of_a_bad_job_raises_and_enqueues_nothing() -> None:
-    kv = {"l0": torch.zeros(4, 64)}
-    layout = describe_kv_caches(kv, [["l0"]], 4)
-    pool = HostPool(num_slots=4, blocks_per_chunk=1, row_bytes=layout.row_bytes)
-    stream = FakeStream()
-    engine = CudaCopyEngine(
-        layout,
-        pool,
-        stream_factory=lambda d: stream,
-        event_factory=FakeCudaEvent,
-        current_stream=object,
-        use_stream=fake_use_stream,
-    )
-    with pytest.raises(IndexError):
-        engine.submit(
-            CopyJob(
-                job_id=1,
-                direction="load",
-                parts=(GroupBlocks(group=0, device_blocks=[9], host_rows=[0]),),
-            )
-        )
-    assert stream.waited_on == []

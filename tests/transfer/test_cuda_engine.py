@@ -1,0 +1,286 @@
+"""The CUDA copy engine's logic on a CPU: :class:`~kvferry.testing.FakeCudaDevice` runs
+every op when it is enqueued and the Triton page kernel interpreted
+(``TRITON_INTERPRET=1``, set by the tests' conftest), records what each stream waited on,
+and counts what the engine asked of the device."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+
+from kvferry.actors import ActorSystem
+from kvferry.testing import FakeCudaDevice, FakeCudaEvent, FakeStream
+from kvferry.transfer import (
+    CopyJob,
+    CudaCopyEngine,
+    Flushed,
+    FlushJobs,
+    GroupBlocks,
+    HostPool,
+    KVLayout,
+    PollFinished,
+    StoreActor,
+    SubmitJobs,
+    describe_kv_caches,
+)
+from kvferry.transfer._pages import element_bytes, plan_batch
+
+from .kvlayouts import KV, LAYOUTS, NB, per_layer_split_hnd, per_layer_split_nhd, two_groups
+
+
+def job(job_id: int, direction: str, blocks: object, rows: object, group: int = 0) -> CopyJob:
+    part = GroupBlocks(group=group, device_blocks=blocks, host_rows=rows)  # type: ignore[arg-type]
+    return CopyJob(job_id=job_id, direction=direction, parts=(part,))  # type: ignore[arg-type]
+
+
+def setup(
+    kv: KV, *, rows: int = 40, slot_rows: int = 64, ring: int = 2, fire: bool = True
+) -> tuple[KVLayout, HostPool, CudaCopyEngine, FakeCudaDevice]:
+    layout = describe_kv_caches(kv.tensors, kv.groups, NB, kv.block_stride_bytes)
+    pool = HostPool(num_slots=rows, blocks_per_chunk=1, row_bytes=layout.row_bytes)
+    device = FakeCudaDevice(fire_events=fire)
+    engine = CudaCopyEngine(
+        layout, pool, staging_bytes=slot_rows * ring * pool.row_bytes, ring_slots=ring, ops=device
+    )
+    return layout, pool, engine, device
+
+
+def ended_ok(completions: list[object]) -> None:
+    for c in completions:
+        assert c.query() and c.exception() is None  # type: ignore[attr-defined]
+
+
+def expect_moved(
+    kv: KV, before: dict[str, list[torch.Tensor]], src: list[int], dst: list[int], layers: list[str]
+) -> None:
+    for name in layers:
+        for b in range(NB):
+            want = before[name][src[dst.index(b)]] if b in dst else before[name][b]
+            assert torch.equal(kv.block(name, b), want), (name, b)
+
+
+# ----------------------------------------------------------------- bit-exact batches
+
+
+@pytest.mark.parametrize("make", list(LAYOUTS.values()), ids=list(LAYOUTS))
+def test_a_step_batch_bigger_than_the_ring_round_trips_bit_exactly(make: Callable[[], KV]) -> None:
+    kv = make()
+    before = kv.snapshot()
+    # 2 slots of 2 rows: a batch of 3 jobs (7 blocks) is 4 pieces, each slot used twice
+    _, pool, engine, device = setup(kv, slot_rows=2, ring=2)
+    rng = np.random.default_rng(7)
+    for g, layers in enumerate(kv.groups):
+        src = [int(b) for b in rng.choice(NB, 7, replace=False)]
+        rows = [int(r) for r in rng.choice(40, 7, replace=False)]
+        dst = [int(b) for b in rng.permutation(src)]
+        stores = [
+            job(1, "store", src[:3], rows[:3], g),
+            job(2, "store", src[3:4], rows[3:4], g),
+            job(3, "store", src[4:], rows[4:], g),
+        ]
+        ended_ok(engine.submit_batch(stores))
+        loads = [job(4, "load", dst[:5], rows[:5], g), job(5, "load", dst[5:], rows[5:], g)]
+        ended_ok(engine.submit_batch(loads))
+        expect_moved(kv, before, src, dst, layers)
+        before = kv.snapshot()
+    stats = engine.statistics()
+    assert stats.pieces == stats.kernel_launches == device.kernel_launches
+    assert stats.pieces == 4 * 2 * len(kv.groups)  # 7 rows in pieces of 2, both directions
+
+
+@pytest.mark.parametrize("make", [per_layer_split_nhd, per_layer_split_hnd], ids=["nhd", "hnd"])
+@pytest.mark.parametrize("count", [1, 3, 7])
+def test_odd_block_counts_round_trip_in_nhd_and_hnd(make: Callable[[], KV], count: int) -> None:
+    kv = make()
+    before = kv.snapshot()
+    _, _, engine, _ = setup(kv, slot_rows=3, ring=3)
+    src = list(range(NB - count, NB))
+    rows = [5 + 2 * i for i in range(count)]  # no two consecutive: one DMA per row
+    dst = list(range(count))
+    ended_ok(engine.submit_batch([job(1, "store", src, rows)]))
+    ended_ok(engine.submit_batch([job(2, "load", dst, rows)]))
+    expect_moved(kv, before, src, dst, kv.groups[0])
+
+
+def test_two_groups_in_one_batch_land_in_their_own_rows() -> None:
+    kv = two_groups()
+    before = kv.snapshot()
+    _, pool, engine, _ = setup(kv, slot_rows=4, ring=2)
+    part_a = GroupBlocks(group=0, device_blocks=[1, 2, 3], host_rows=[10, 11, 12])
+    part_b = GroupBlocks(group=1, device_blocks=[4, 5], host_rows=[20, 21])
+    ended_ok(engine.submit_batch([CopyJob(job_id=1, direction="store", parts=(part_a, part_b))]))
+    back_a = GroupBlocks(group=0, device_blocks=[7, 8, 9], host_rows=[10, 11, 12])
+    back_b = GroupBlocks(group=1, device_blocks=[0, 6], host_rows=[20, 21])
+    ended_ok(engine.submit_batch([CopyJob(job_id=2, direction="load", parts=(back_a, back_b))]))
+    expect_moved(kv, before, [1, 2, 3], [7, 8, 9], kv.groups[0])
+    expect_moved(kv, before, [4, 5], [0, 6], kv.groups[1])
+
+
+def test_consecutive_host_rows_go_as_one_dma_per_run() -> None:
+    kv = per_layer_split_nhd()
+    _, _, engine, device = setup(kv, slot_rows=64)
+    # rows 3..6 in one job (given out of order), 9 alone, 10..11 in the next job
+    engine.submit_batch(
+        [
+            job(1, "store", [0, 1, 2, 3], [5, 3, 6, 4]),
+            job(2, "store", [4], [9]),
+            job(3, "store", [5, 6], [10, 11]),
+        ]
+    )
+    assert device.memcpys == engine.statistics().dma_copies == 2  # [3..6], [9..11]
+
+
+# ----------------------------------------------------------------- launches per job
+
+
+def layers_kv(num_layers: int) -> KV:
+    """Flash-attention's layout: per layer (2, blocks, 4, 2, 8) fp16, K and V split."""
+    g = torch.Generator().manual_seed(num_layers)
+    ts = {f"l{i}": torch.randn(2, NB, 4, 2, 8, generator=g).half() for i in range(num_layers)}
+    return KV(ts, [list(ts)], {n: 1 for n in ts})
+
+
+@pytest.mark.parametrize("direction", ["store", "load"])
+def test_device_launches_per_batch_do_not_grow_with_the_layer_count(direction: str) -> None:
+    counts = []
+    for num_layers in (2, 64):
+        kv = layers_kv(num_layers)
+        layout, _, engine, device = setup(kv, slot_rows=64)
+        assert len(layout.groups[0].segments) == 2 * num_layers  # K and V of every layer
+        engine.submit_batch([job(i, direction, [i, i + 4], [2 * i, 2 * i + 1]) for i in range(4)])
+        engine.submit(job(9, direction, [9], [30]))  # a single job, as external callers do
+        counts.append((device.kernel_launches, device.uploads, device.memcpys))
+    assert counts[0] == counts[1] == (2, 2, 2)  # per batch: one table, one launch, one run
+
+
+def test_a_batch_is_planned_without_a_python_loop_per_block() -> None:
+    jobs = [job(i, "store", np.arange(16) + i, np.arange(16) * 3 + 100 * i) for i in range(64)]
+    plan = plan_batch(jobs, slot_rows=256)
+    assert plan.num_rows == 1024 and plan.num_pieces == 4
+    assert len(plan.runs_len) == 1024  # no two host rows adjacent
+    assert plan.job_piece.tolist() == [i * 16 // 256 for i in range(64)]
+
+
+def test_element_width_is_the_widest_that_divides_every_address_and_size() -> None:
+    assert element_bytes(np.array([64, 128, 8], dtype=np.int64)) == 8
+    assert element_bytes(np.array([64, 132, 8], dtype=np.int64)) == 4
+    assert element_bytes(np.array([64, 128, 6], dtype=np.int64)) == 2
+    assert element_bytes(np.array([65, 128, 8], dtype=np.int64)) == 1
+
+
+# ----------------------------------------------------------------- ordering, failures
+
+
+def test_a_batch_waits_on_the_compute_mark_and_each_job_ends_with_its_piece() -> None:
+    kv = per_layer_split_nhd()
+    _, pool, engine, device = setup(kv, slot_rows=2, ring=2, fire=False)
+    compute = FakeStream(name="compute")
+    with device.current(compute):
+        mark = engine.capture_compute()  # on the engine's thread
+    assert mark.event.recorded_on is compute
+    a, b = engine.submit_batch(
+        [job(1, "store", [0, 1], [0, 1]), job(2, "store", [2, 3], [2, 3])], mark
+    )
+    kernel, dma = device.streams  # the store lane's two streams
+    assert kernel.waited_events[0] is mark.event  # the gather reads after the forward
+    assert not a.query() and not b.query()
+    piece_ends = [e for e in device.events if e.recorded_on is dma]
+    assert len(piece_ends) == 2
+    piece_ends[0].fire()
+    assert a.query() and not b.query()  # job 1 lies in the first piece only
+    piece_ends[1].fire()
+    assert b.query() and b.exception() is None
+
+
+def test_a_slot_is_reused_only_after_its_last_dma_ended_without_a_cpu_wait() -> None:
+    kv = per_layer_split_nhd()
+    _, _, engine, device = setup(kv, slot_rows=1, ring=2, fire=False)
+    engine.submit_batch([job(1, "store", [0, 1, 2], [0, 1, 2])])  # pieces 0,1,2 on slots 0,1,0
+    kernel, dma = device.streams
+    dma_ends = [e for e in device.events if e.recorded_on is dma]
+    assert dma_ends[0] in kernel.waited_events  # piece 2's gather waits for piece 0's DMA
+    assert dma_ends[1] not in kernel.waited_events  # slot 1 was not reused yet
+
+
+def test_a_load_is_ordered_after_compute_where_it_writes_the_engines_blocks() -> None:
+    kv = per_layer_split_nhd()
+    _, pool, engine, device = setup(kv, fire=False)
+    compute = FakeStream(name="compute")
+    with device.current(compute):
+        mark = engine.capture_compute()
+    engine.submit_batch([job(1, "load", [0], [0])], mark)
+    kernel, dma = device.streams
+    assert mark.event in kernel.waited_events and mark.event not in dma.waited_events
+
+
+def test_a_batch_failing_half_way_ends_only_after_what_it_enqueued() -> None:
+    kv = per_layer_split_nhd()
+    _, _, engine, device = setup(kv, slot_rows=1, ring=2, fire=False)
+    launches = 0
+    real = device.copy_pages
+
+    def second_launch_fails(*args: object) -> None:
+        nonlocal launches
+        launches += 1
+        if launches == 2:
+            raise RuntimeError("CUDA error: launch failed")
+        real(*args)  # type: ignore[arg-type]
+
+    device.copy_pages = second_launch_fails  # type: ignore[method-assign]
+    first, second = engine.submit_batch([job(1, "store", [0], [0]), job(2, "store", [1], [1])])
+    assert not first.query() and not second.query()
+    for event in device.events[:-1]:
+        event.fire()
+    assert first.query() and first.exception() is None  # its piece was fully enqueued
+    assert not second.query()  # ends with the event recorded after everything enqueued
+    device.events[-1].fire()
+    assert second.query() and "launch failed" in repr(second.exception())
+
+
+def test_a_job_naming_blocks_that_do_not_exist_fails_alone() -> None:
+    kv = per_layer_split_nhd()
+    _, pool, engine, device = setup(kv)
+    bad, good = engine.submit_batch([job(1, "load", [NB], [0]), job(2, "store", [1], [1])])
+    assert bad.query() and isinstance(bad.exception(), IndexError)
+    assert good.query() and good.exception() is None
+    assert device.kernel_launches == 1
+    with pytest.raises(IndexError):
+        engine.submit(job(3, "load", [0], [999]))  # submit alone raises, enqueues nothing
+    assert device.kernel_launches == 1
+
+
+# ----------------------------------------------------------------- fencing in the actor
+
+
+@pytest.mark.anyio
+async def test_a_flush_fences_the_marks_compute_stream_and_does_not_wait() -> None:
+    kv = per_layer_split_nhd()
+    _, _, engine, device = setup(kv, fire=False)
+    compute = FakeStream(name="compute")
+    with device.current(compute):
+        mark = engine.capture_compute()
+    async with ActorSystem() as system:
+        store = await system.spawn(StoreActor(engine))
+        await store.tell(SubmitJobs(jobs=(job(1, "store", [1], [1]),), compute=mark))
+        await store.tell(SubmitJobs(jobs=(job(2, "store", [2], [2]),), compute=mark))
+        # the actor runs on this thread, whose current stream is the default one: the
+        # fence must still go on the mark's compute stream
+        flushed = await store.ask(
+            lambda r: FlushJobs(job_ids=(1,), timeout_s=0.0, reply=r, compute=mark)
+        )
+        assert flushed == Flushed(device_fenced=(1,))
+        job_end = [e for e in device.events if e.recorded_on is device.streams[1]][0]
+        assert compute.waited_events == [job_end]
+        assert device.default_stream.waited_events == []
+        assert await store.ask(PollFinished) == []  # still in flight until its event fires
+        for e in device.events:
+            e.fire()
+        assert [r.job_id for r in await store.ask(PollFinished)] == [1, 2]
+
+
+def test_fake_events_refuse_a_wait_that_would_hang() -> None:
+    with pytest.raises(RuntimeError, match="would hang"):
+        FakeCudaEvent().synchronize()
