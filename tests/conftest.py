@@ -1,14 +1,6 @@
 from __future__ import annotations
 
-import os
-
 import pytest
-import torch
-
-if not torch.cuda.is_available():
-    # No GPU: the CUDA engine's Triton kernel runs on CPU tensors, interpreted. Set before
-    # anything imports kvferry.transfer._triton (triton.jit reads it at definition).
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture

@@ -54,7 +54,7 @@ import torch
 from .._logging import get_logger
 from ._copy import Completion, CopyJob, Direction, EndedCompletion, job_bytes
 from ._layout import KVLayout
-from ._pages import PageTemplate, element_bytes, page_table, plan_batch
+from ._pages import BatchPlan, PageTemplate, Templates, element_bytes, plan_batch, row_table
 from ._plan import check_job
 from ._pool import HostPool
 
@@ -89,10 +89,19 @@ class DeviceOps(Protocol):
     def memcpy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """A contiguous copy (host↔device) on the current stream, without waiting."""
 
-    def copy_pages(
-        self, table: torch.Tensor, lo: int, hi: int, num_pages: int, elem_bytes: int
+    def copy_rows(
+        self,
+        rows: torch.Tensor,
+        lo: int,
+        hi: int,
+        num_rows: int,
+        templates: torch.Tensor,
+        max_pages: int,
+        elem_bytes: int,
+        to_device: bool,
     ) -> None:
-        """One kernel launch on the current stream: pages ``lo:hi`` of ``table``."""
+        """One kernel launch on the current stream: every page of rows ``lo:hi`` of the
+        row table (see :func:`kvferry.transfer._triton.copy_rows`)."""
 
 
 class TorchCudaOps:
@@ -127,12 +136,20 @@ class TorchCudaOps:
     def memcpy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src, non_blocking=True)
 
-    def copy_pages(
-        self, table: torch.Tensor, lo: int, hi: int, num_pages: int, elem_bytes: int
+    def copy_rows(
+        self,
+        rows: torch.Tensor,
+        lo: int,
+        hi: int,
+        num_rows: int,
+        templates: torch.Tensor,
+        max_pages: int,
+        elem_bytes: int,
+        to_device: bool,
     ) -> None:
-        from ._triton import copy_pages
+        from ._triton import copy_rows
 
-        copy_pages(table, lo, hi, num_pages, elem_bytes)
+        copy_rows(rows, lo, hi, num_rows, templates, max_pages, elem_bytes, to_device)
 
 
 @attrs.frozen
@@ -211,6 +228,10 @@ class _Lane:
     slots: list[torch.Tensor]
     free: list[Any]
     """Per slot, the event after its last use (None: never used)."""
+    templates: torch.Tensor
+    """The page templates, on the device (uploaded on this lane's kernel stream)."""
+    bases: Any = None
+    """The slots' device addresses."""
     next: int = 0
 
 
@@ -243,7 +264,15 @@ class CudaCopyEngine:
         self.ops = ops
         self.slot_rows = max(1, staging_bytes // ring_slots // pool.row_bytes)
         self.ring_slots = ring_slots
-        self._templates = [PageTemplate.of(g) for g in layout.groups]
+        self._templates = Templates.of([PageTemplate.of(g) for g in layout.groups])
+        # Every address the kernel forms is a template offset plus multiples of block
+        # strides and staging rows (staging slots are allocator-aligned): the widest
+        # element dividing those divides every page.
+        self._elem = element_bytes(
+            np.concatenate(
+                (self._templates.table.ravel(), np.array([pool.row_bytes, 256], np.int64))
+            )
+        )
         self._lanes: dict[Direction, _Lane] = {}
         self._counts = dict.fromkeys(
             ("batches", "jobs", "pieces", "kernel_launches", "dma_copies", "table_uploads"), 0
@@ -266,16 +295,22 @@ class CudaCopyEngine:
     def _lane(self, direction: Direction) -> _Lane:
         lane = self._lanes.get(direction)
         if lane is None:
+            ops = self.ops
             rows = self.slot_rows * self.ring_slots
-            ring = torch.empty(
-                (rows, self.pool.row_bytes), dtype=torch.uint8, device=self.ops.device
-            )
+            ring = torch.empty((rows, self.pool.row_bytes), dtype=torch.uint8, device=ops.device)
+            kernel = ops.new_stream(direction)
+            pinned = ops.pinned(self._templates.table.size)
+            pinned.numpy()[:] = self._templates.table.ravel()
+            with ops.use_stream(kernel):  # each lane's kernels read their own copy
+                templates = ops.upload(pinned)
             lane = _Lane(
-                kernel=self.ops.new_stream(direction),
-                dma=self.ops.new_stream(direction),
+                kernel=kernel,
+                dma=ops.new_stream(direction),
                 slots=[ring[i : i + self.slot_rows] for i in range(0, rows, self.slot_rows)],
                 free=[None] * self.ring_slots,
+                templates=templates,
             )
+            lane.bases = np.array([slot.data_ptr() for slot in lane.slots], dtype=np.int64)
             self._lanes[direction] = lane
         return lane
 
@@ -324,29 +359,23 @@ class CudaCopyEngine:
         self._counts["jobs"] += len(jobs)
         if plan.num_rows == 0:
             return [EndedCompletion(None) for _ in jobs]
+        load = direction == "load"
         lane = self._lane(direction)
         slot_ids = (lane.next + np.arange(plan.num_pieces)) % self.ring_slots
         lane.next = int(slot_ids[-1] + 1) % self.ring_slots
-        bases = np.array([s.data_ptr() for s in lane.slots], dtype=np.int64)[slot_ids]
-        row_stride = self.pool.row_bytes
-        table, bounds = page_table(
-            plan, self._templates, bases, row_stride, to_device=direction == "load"
-        )
-        num_pages = len(table) // 3
-        elem = element_bytes(table)
+        bases = lane.bases[slot_ids]
         host = self.pool.rows
-        load = direction == "load"
         first, second = (lane.dma, lane.kernel) if load else (lane.kernel, lane.dma)
         piece_events: list[Any] = []
         error: BaseException | None = None
         try:
-            pinned = ops.pinned(len(table))
-            pinned.numpy()[:] = table
+            pinned = ops.pinned(4 * plan.num_rows)
+            row_table(plan, self._templates, bases, self.pool.row_bytes, pinned.numpy())
             # The copy that writes the engine's blocks (load: the scatter) or reads them
             # (store: the gather) is the one ordered after the compute.
             lane.kernel.wait_event(mark.event)
             with ops.use_stream(lane.kernel):
-                device_table = ops.upload(pinned)
+                rows_table = ops.upload(pinned)
             self._counts["table_uploads"] += 1
             for k in range(plan.num_pieces):
                 s = int(slot_ids[k])
@@ -357,13 +386,13 @@ class CudaCopyEngine:
                     if load:
                         self._dma(plan, k, slot, host, to_slot=True)
                     else:
-                        self._launch(device_table, bounds, k, num_pages, elem)
+                        self._launch(lane, rows_table, plan, k, load)
                     handed = ops.new_event()
                     handed.record(first)
                 second.wait_event(handed)
                 with ops.use_stream(second):
                     if load:
-                        self._launch(device_table, bounds, k, num_pages, elem)
+                        self._launch(lane, rows_table, plan, k, load)
                     else:
                         self._dma(plan, k, slot, host, to_slot=False)
                     ended = ops.new_event()
@@ -393,8 +422,21 @@ class CudaCopyEngine:
                 completions.append(EventCompletion(last, mark.stream, error))
         return completions
 
-    def _launch(self, table: torch.Tensor, bounds: Any, k: int, num_pages: int, elem: int) -> None:
-        self.ops.copy_pages(table, int(bounds[k]), int(bounds[k + 1]), num_pages, elem)
+    def _launch(
+        self, lane: _Lane, rows: torch.Tensor, plan: BatchPlan, k: int, to_device: bool
+    ) -> None:
+        lo = k * plan.slot_rows
+        hi = min(lo + plan.slot_rows, plan.num_rows)
+        self.ops.copy_rows(
+            rows,
+            lo,
+            hi,
+            plan.num_rows,
+            lane.templates,
+            self._templates.max_pages,
+            self._elem,
+            to_device,
+        )
         self._counts["kernel_launches"] += 1
 
     def _dma(

@@ -5,13 +5,12 @@
 every op runs when it is enqueued, streams record what they were ordered after, and each
 thread has its own current stream (as CUDA's are), so a test can give the engine's thread
 a compute stream the actors' thread does not have. Kernel launches run the real Triton
-kernel under ``TRITON_INTERPRET=1``. It counts what the engine asked of the device.
+kernel in Triton's interpreter. It counts what the engine asked of the device.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -123,18 +122,21 @@ class FakeCudaDevice:
         self.memcpys += 1
         dst.copy_(src)
 
-    def copy_pages(
-        self, table: torch.Tensor, lo: int, hi: int, num_pages: int, elem_bytes: int
+    def copy_rows(
+        self,
+        rows: torch.Tensor,
+        lo: int,
+        hi: int,
+        num_rows: int,
+        templates: torch.Tensor,
+        max_pages: int,
+        elem_bytes: int,
+        to_device: bool,
     ) -> None:
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            raise RuntimeError(
-                "FakeCudaDevice runs the Triton kernel on the CPU: set TRITON_INTERPRET=1 "
-                "before kvferry.transfer._triton is imported"
-            )
-        from ._triton import copy_pages
+        from ._triton import copy_rows
 
         self.kernel_launches += 1
-        copy_pages(table, lo, hi, num_pages, elem_bytes)
+        copy_rows(rows, lo, hi, num_rows, templates, max_pages, elem_bytes, to_device)
 
     # -- for tests
     @contextlib.contextmanager

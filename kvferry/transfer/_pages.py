@@ -6,9 +6,11 @@ moves every page of a batch between the engine's KV tensors and a device *stagin
 laid out exactly like host rows, so the host link only sees contiguous runs of rows.
 
 Per KV-cache group, the pages of one block are a fixed :class:`PageTemplate` (offsets,
-block strides, sizes), computed once when the engine starts. A batch's table is then a
-handful of numpy operations over ``(pairs, pages per block)`` arrays, whatever the number
-of layers, regions and jobs: no Python loop per block, region or job.
+block strides, sizes), computed once when the engine starts and uploaded to the device
+once (:class:`Templates`). A batch's table then holds a few words per *row* (engine
+block, staging address, its group's template), built with a handful of numpy operations,
+whatever the number of layers, regions and jobs: no Python loop per block, region or job,
+and nothing per page; the kernel finds each page from its row and the template.
 
 A batch (all of one direction's jobs of an engine step) is laid out in *staging order*:
 jobs in submission order, within a job its groups, within a group its host rows sorted,
@@ -106,9 +108,10 @@ def plan_batch(jobs: Sequence[CopyJob], slot_rows: int) -> BatchPlan:
     if slot_rows <= 0:
         raise ValueError(f"slot_rows must be > 0, got {slot_rows}")
     parts = [(j, p) for j, job in enumerate(jobs) for p in job.parts]
-    lens = np.fromiter((len(p.device_blocks) for _, p in parts), dtype=np.int64, count=len(parts))
+    lens = np.array([len(p.device_blocks) for _, p in parts], dtype=np.int64)
+    n = int(lens.sum())
     empty = np.zeros(0, dtype=np.int64)
-    if not lens.sum():
+    if not n:
         return BatchPlan(
             slot_rows=slot_rows,
             host_rows=empty,
@@ -122,21 +125,24 @@ def plan_batch(jobs: Sequence[CopyJob], slot_rows: int) -> BatchPlan:
         )
     blocks = np.concatenate([p.device_blocks for _, p in parts])
     rows = np.concatenate([p.host_rows for _, p in parts])
-    group = np.repeat(np.fromiter((p.group for _, p in parts), np.int64, len(parts)), lens)
-    job = np.repeat(np.fromiter((j for j, _ in parts), np.int64, len(parts)), lens)
-    order = np.lexsort((rows, group, job))
+    group = np.repeat(np.array([p.group for _, p in parts], dtype=np.int64), lens)
+    job = np.repeat(np.array([j for j, _ in parts], dtype=np.int64), lens)
+    if len(jobs) < 1 << 15 and int(rows.max()) < 1 << 40 and int(group.max()) < 1 << 8:
+        # one int64 sort key: job, then group, then host row
+        order = np.argsort((job << 48) | (group << 40) | rows, kind="stable")
+    else:
+        order = np.lexsort((rows, group, job))
     blocks, rows, group, job = blocks[order], rows[order], group[order], job[order]
-    n = len(rows)
     piece = np.arange(n, dtype=np.int64) // slot_rows
     # a run breaks where the next host row is not the next one, or a piece ends
-    breaks = np.flatnonzero((np.diff(rows) != 1) | (np.diff(piece) != 0)) + 1
+    step = rows[1:] - rows[:-1]
+    breaks = np.flatnonzero((step != 1) | (piece[1:] != piece[:-1])) + 1
     starts = np.concatenate(([0], breaks))
     ends = np.concatenate((breaks, [n]))
-    run_piece = piece[starts]
     num_pieces = int(piece[-1]) + 1
-    run_bounds = np.searchsorted(run_piece, np.arange(num_pieces + 1), side="left")
+    run_bounds = np.searchsorted(piece[starts], np.arange(num_pieces + 1), side="left")
     # the last staging position of each job (staging order is sorted by job)
-    last = np.flatnonzero(np.diff(job, append=-1) != 0)
+    last = np.concatenate((np.flatnonzero(job[1:] != job[:-1]), [n - 1]))
     job_piece = np.full(len(jobs), -1, dtype=np.int64)
     job_piece[job[last]] = piece[last]
     return BatchPlan(
@@ -152,43 +158,59 @@ def plan_batch(jobs: Sequence[CopyJob], slot_rows: int) -> BatchPlan:
     )
 
 
-def page_table(
-    plan: BatchPlan,
-    templates: Sequence[PageTemplate],
-    slot_bases: I64,
-    row_stride: int,
-    *,
-    to_device: bool,
-) -> tuple[I64, I64]:
-    """The batch's pages as one int64 table ``[srcs | dsts | nbytes]`` (3 x pages), ordered
-    by piece, and ``bounds`` (``bounds[k]:bounds[k+1]`` are the pages of piece ``k``).
+@attrs.frozen(kw_only=True)
+class Templates:
+    """Every group's :class:`PageTemplate` in one ``(4, pages)`` int64 table (device
+    offsets, block strides, row offsets, sizes), uploaded to the device once; group ``g``
+    owns columns ``start[g] : start[g] + count[g]``."""
 
-    ``slot_bases[k]`` is the device address of the staging slot piece ``k`` uses.
-    ``to_device``: a load (staging → engine blocks) rather than a store.
+    table: I64 = attrs.field(eq=False)
+    start: I64 = attrs.field(eq=False)
+    count: I64 = attrs.field(eq=False)
+
+    @classmethod
+    def of(cls, templates: Sequence[PageTemplate]) -> Templates:
+        count = np.array([len(t) for t in templates], dtype=np.int64)
+        start = np.concatenate(([0], np.cumsum(count)[:-1])).astype(np.int64)
+        table = np.stack(
+            [
+                np.concatenate([t.dev_offset for t in templates]),
+                np.concatenate([t.block_stride for t in templates]),
+                np.concatenate([t.row_offset for t in templates]),
+                np.concatenate([t.nbytes for t in templates]),
+            ]
+        ).astype(np.int64)
+        return cls(table=np.ascontiguousarray(table), start=start, count=count)
+
+    @property
+    def max_pages(self) -> int:
+        return int(self.count.max()) if len(self.count) else 0
+
+
+def row_table(
+    plan: BatchPlan, templates: Templates, slot_bases: I64, row_stride: int, out: I64
+) -> None:
+    """Fill ``out`` (4 x rows int64, e.g. a pinned buffer) with the batch's rows in staging
+    order: ``[engine blocks | staging row addresses | template starts | page counts]``.
+
+    ``slot_bases[k]`` is the device address of the staging slot piece ``k`` uses. The
+    kernel finds every page of a row from the row and its group's template, so the table
+    is a few words a row whatever the number of layers.
     """
-    pos = np.arange(plan.num_rows, dtype=np.int64)
-    piece = pos // plan.slot_rows
-    staging_row = slot_bases[piece] + (pos % plan.slot_rows) * row_stride
-    devs: list[I64] = []
-    stags: list[I64] = []
-    sizes: list[I64] = []
-    pieces: list[I64] = []
-    present = np.unique(plan.groups)
-    for g in present.tolist():
-        t = templates[g]
-        sel = np.flatnonzero(plan.groups == g) if len(present) > 1 else pos
-        devs.append((t.dev_offset + plan.dev_blocks[sel, None] * t.block_stride).ravel())
-        stags.append((staging_row[sel, None] + t.row_offset).ravel())
-        sizes.append(np.broadcast_to(t.nbytes, (len(sel), len(t))).ravel())
-        pieces.append(np.repeat(piece[sel], len(t)))
-    dev, stag, size, page_piece = (np.concatenate(x) for x in (devs, stags, sizes, pieces))
-    if len(present) > 1:  # groups were laid out one after the other: order by piece
-        order = np.argsort(page_piece, kind="stable")
-        dev, stag, size, page_piece = dev[order], stag[order], size[order], page_piece[order]
-    srcs, dsts = (stag, dev) if to_device else (dev, stag)
-    table = np.concatenate((srcs, dsts, size))
-    bounds = np.searchsorted(page_piece, np.arange(plan.num_pieces + 1), side="left")
-    return table, bounds.astype(np.int64)
+    n = plan.num_rows
+    if len(out) != 4 * n:
+        raise ValueError(f"out holds {len(out)} entries, the row table needs {4 * n}")
+    pos = np.arange(n, dtype=np.int64)
+    out[:n] = plan.dev_blocks
+    np.add(
+        slot_bases[pos // plan.slot_rows], (pos % plan.slot_rows) * row_stride, out=out[n : 2 * n]
+    )
+    if len(templates.count) == 1:
+        out[2 * n : 3 * n] = templates.start[0]
+        out[3 * n :] = templates.count[0]
+    else:
+        out[2 * n : 3 * n] = templates.start[plan.groups]
+        out[3 * n :] = templates.count[plan.groups]
 
 
 def element_bytes(table: I64) -> int:

@@ -1,30 +1,15 @@
-"""Copies expressed as torch ops, for devices whose memory Python cannot address (CUDA).
-
-A job moves through a *staging* buffer on the device, laid out exactly like host rows:
-
-- store: each region's blocks are gathered into staging with ``index_select`` (a device
-  kernel), then each run of consecutive host rows is one contiguous device→host copy;
-- load: each run of host rows is one contiguous host→device copy into staging, then
-  each region is scattered into its blocks with ``index_copy_``.
-
-So the host link only ever sees large contiguous copies (pinned, ``non_blocking``),
-whatever the layout, and the gathers run at device-memory speed. All ops go on the
-current stream; the caller picks it. The same code runs on CPU tensors, which is how
-the CUDA engine's logic is tested without a GPU.
+"""Blocks gathered into rows and scattered back with torch ops (``index_select`` /
+``index_copy_`` per region), on the current stream, for raw block access on devices
+whose memory Python cannot address (:class:`~kvferry.transfer.KVBlockAccess` on CUDA).
+Not a hot path: the CUDA copy engine uses one Triton launch per piece instead
+(:mod:`._triton`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-import numpy as np
-import numpy.typing as npt
 import torch
 
-from ._layout import GroupLayout, KVLayout, Region
-
-if TYPE_CHECKING:
-    from ._copy import CopyJob
+from ._layout import GroupLayout, Region
 
 # Widest element a region can be viewed as: index kernels move one element per thread.
 _WIDE = (torch.int64, torch.int32, torch.int16)
@@ -65,45 +50,3 @@ def scatter_rows(group: GroupLayout, blocks: torch.Tensor, rows: torch.Tensor) -
     for r in group.regions:
         dst, src = _wide(r.view, _slice(rows, r))
         dst.index_copy_(0, blocks, src)
-
-
-def host_runs(rows: npt.NDArray[np.int64]) -> list[tuple[int, int, int]]:
-    """Maximal runs of consecutive host rows: ``(first row, index in rows, length)``."""
-    if len(rows) == 0:
-        return []
-    starts = np.concatenate(([0], np.flatnonzero(np.diff(rows) != 1) + 1))
-    ends = np.concatenate((starts[1:], [len(rows)]))
-    return [(int(rows[a]), int(a), int(b - a)) for a, b in zip(starts, ends, strict=True)]
-
-
-def torch_copy_job(
-    layout: KVLayout,
-    host_rows: torch.Tensor,
-    job: CopyJob,
-    staging: torch.Tensor,
-    *,
-    non_blocking: bool,
-) -> None:
-    """Enqueue ``job`` (a :class:`~kvferry.transfer.CopyJob`, already checked) on the
-    current stream, through ``staging`` (``(rows, host row bytes)`` on the device).
-
-    Jobs larger than ``staging`` go in pieces; the stream orders each piece after the
-    previous one's use of the buffer.
-    """
-    cap = staging.shape[0]
-    for part in job.parts:
-        group = layout.groups[part.group]
-        for a in range(0, len(part.device_blocks), cap):
-            dev = part.device_blocks[a : a + cap]
-            rows = part.host_rows[a : a + cap]
-            m = len(dev)
-            idx = torch.as_tensor(dev.copy()).to(layout.device, non_blocking=non_blocking)
-            buf = staging[:m]
-            if job.direction == "store":
-                gather_rows(group, idx, buf)
-                for h0, i0, n in host_runs(rows):
-                    host_rows[h0 : h0 + n].copy_(buf[i0 : i0 + n], non_blocking=non_blocking)
-            else:
-                for h0, i0, n in host_runs(rows):
-                    buf[i0 : i0 + n].copy_(host_rows[h0 : h0 + n], non_blocking=non_blocking)
-                scatter_rows(group, idx, buf)

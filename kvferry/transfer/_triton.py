@@ -1,14 +1,17 @@
 """The page-copy kernel of the CUDA path (Triton): one launch moves every page of a piece.
 
-``copy_pages(table, lo, hi, num_pages, elem_bytes)`` copies pages ``lo:hi`` of a table
-``[srcs | dsts | nbytes]`` (see :mod:`._pages`) on the current stream. Each program takes
-pages in turn (a persistent grid of at most :data:`MAX_PROGRAMS`), loads the page's two
-addresses from the table and copies it ``BLOCK`` elements at a time, with the widest
-element that divides every address and size of the table.
+``copy_rows(rows, lo, hi, num_rows, templates, max_pages, elem_bytes, to_device)`` copies
+rows ``lo:hi`` of a row table ``[engine blocks | staging addresses | template starts |
+page counts]`` (see :mod:`._pages`) on the current stream. Program ``(p, r)`` takes page
+``p`` of its rows ``r, r + step, ...``: the page's engine address is the template's
+offset plus the block times the template's block stride, its staging address the row's
+plus the template's row offset. It copies ``BLOCK`` elements at a time, with the widest
+element that divides every address and size the engine can produce.
 
-Imported only when the first piece is launched: ``triton.jit`` reads
-``TRITON_INTERPRET`` when the kernel is defined, so a test machine without a GPU sets it
-first and runs this same kernel on CPU tensors (raw addresses included).
+Imported only when the first piece is launched. On CPU tensors (the fake device of
+:mod:`kvferry.testing`) the same kernel runs in Triton's interpreter, raw addresses
+included, whatever ``TRITON_INTERPRET`` says: that is how its logic is tested on a
+machine without a GPU.
 """
 
 from __future__ import annotations
@@ -19,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_PROGRAMS = 1024
-"""Programs per launch: enough to keep every SM of the device busy with a few pages."""
+MAX_ROW_PROGRAMS = 1024
+"""Programs along the rows of one launch (each then loops over its share of rows)."""
 
 BLOCK_BYTES = 4096
 """Bytes one program moves per step of its loop (a page of 32 KiB takes 8 steps)."""
@@ -28,42 +31,85 @@ BLOCK_BYTES = 4096
 _DTYPES: dict[int, Any] = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
 
 
-@triton.jit  # type: ignore[untyped-decorator]
-def _copy_pages_kernel(  # type: ignore[no-untyped-def]
-    srcs,
-    dsts,
-    sizes,
-    num_pages,
+def _copy_rows(  # type: ignore[no-untyped-def]
+    blocks,
+    staging,
+    starts,
+    counts,
+    num_rows,
+    templates,
+    num_templates,
+    TO_DEVICE: tl.constexpr,
     DT: tl.constexpr,
     ELEM: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    step = tl.num_programs(0)
+    page = tl.program_id(0)
+    row = tl.program_id(1)
+    step = tl.num_programs(1)
     offsets = tl.arange(0, BLOCK)
-    page = pid
-    while page < num_pages:
-        src = tl.load(srcs + page).to(tl.pointer_type(DT))
-        dst = tl.load(dsts + page).to(tl.pointer_type(DT))
-        n = tl.load(sizes + page) // ELEM
-        for start in range(0, n, BLOCK):
-            idx = start + offsets
-            mask = idx < n
-            tl.store(dst + idx, tl.load(src + idx, mask=mask), mask=mask)
-        page += step
+    while row < num_rows:
+        if page < tl.load(counts + row):
+            t = tl.load(starts + row) + page
+            dev = tl.load(templates + t) + tl.load(blocks + row) * tl.load(
+                templates + num_templates + t
+            )
+            stag = tl.load(staging + row) + tl.load(templates + 2 * num_templates + t)
+            n = tl.load(templates + 3 * num_templates + t) // ELEM
+            if TO_DEVICE:
+                src = stag.to(tl.pointer_type(DT))
+                dst = dev.to(tl.pointer_type(DT))
+            else:
+                src = dev.to(tl.pointer_type(DT))
+                dst = stag.to(tl.pointer_type(DT))
+            for start in range(0, n, BLOCK):
+                idx = start + offsets
+                mask = idx < n
+                tl.store(dst + idx, tl.load(src + idx, mask=mask), mask=mask)
+        row += step
 
 
-def copy_pages(table: torch.Tensor, lo: int, hi: int, num_pages: int, elem_bytes: int) -> None:
-    """Launch the kernel over pages ``lo:hi`` of ``table`` (3 x ``num_pages`` int64, on the
-    device) on the current stream."""
+_compiled = triton.jit(_copy_rows)
+
+
+def _interpreted() -> Any:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    global _interpreted_kernel
+    if _interpreted_kernel is None:
+        _interpreted_kernel = InterpretedFunction(_copy_rows)
+    return _interpreted_kernel
+
+
+_interpreted_kernel: Any = None
+
+
+def copy_rows(
+    rows: torch.Tensor,
+    lo: int,
+    hi: int,
+    num_rows: int,
+    templates: torch.Tensor,
+    max_pages: int,
+    elem_bytes: int,
+    to_device: bool,
+) -> None:
+    """Launch the kernel over rows ``lo:hi`` of ``rows`` (4 x ``num_rows`` int64) with
+    ``templates`` (4 x pages int64, flat), both on the device, on the current stream."""
     n = hi - lo
-    if n <= 0:
+    if n <= 0 or max_pages <= 0:
         return
-    _copy_pages_kernel[(min(n, MAX_PROGRAMS),)](
-        table[lo:hi],
-        table[num_pages + lo : num_pages + hi],
-        table[2 * num_pages + lo : 2 * num_pages + hi],
+    # CPU tensors (the tests' fake device): Triton's interpreter runs the same kernel
+    kernel = _compiled if rows.device.type == "cuda" else _interpreted()
+    kernel[(max_pages, min(n, MAX_ROW_PROGRAMS))](
+        rows[lo:hi],
+        rows[num_rows + lo : num_rows + hi],
+        rows[2 * num_rows + lo : 2 * num_rows + hi],
+        rows[3 * num_rows + lo : 3 * num_rows + hi],
         n,
+        templates,
+        templates.numel() // 4,
+        TO_DEVICE=to_device,
         DT=_DTYPES[elem_bytes],
         ELEM=elem_bytes,
         BLOCK=BLOCK_BYTES // elem_bytes,

@@ -1,5 +1,6 @@
 """The CUDA copy engine on a real device: bit-exact round trips of random KV through
-pinned host memory in every layout, ordering after the compute stream, a flush that
+pinned host memory in every layout, step batches bigger than the staging ring, stores
+and loads at once, ordering after the compute stream of another thread, a flush that
 fences the compute stream on a store's event, and raw block access. Marked ``gpu``:
 skipped where there is no CUDA (``pytest -m gpu`` on a GPU)."""
 
@@ -24,10 +25,10 @@ from kvferry.transfer import (
     PollFinished,
     StoreActor,
     SubmitJob,
-    _torchcopy,
     describe_kv_caches,
     new_copy_engine,
 )
+from kvferry.transfer._cuda import TorchCudaOps
 from tests.transfer.kvlayouts import KV, LAYOUTS, NB, vllm_cpu
 
 pytestmark = pytest.mark.gpu
@@ -102,17 +103,16 @@ async def test_a_flushed_store_reads_its_blocks_before_the_compute_stream_overwr
     pool = HostPool(num_slots=ROWS, blocks_per_chunk=1, row_bytes=layout.row_bytes, pin=True)
     blocks, rows = [2, 5, 7], [0, 1, 2]
     old = KVBlockAccess(layout).read_blocks(blocks)
-    gather = _torchcopy.gather_rows
 
-    def late_gather(*args: Any) -> None:
-        # Hold the store stream (~0.1 s) just before it reads the blocks (after submit's
-        # uploads, so the CPU never waits on it): without the fence, the overwrite below
-        # would run first and the host would get the new contents.
-        torch.cuda._sleep(200_000_000)
-        gather(*args)
+    class LateOps(TorchCudaOps):
+        def copy_pages(self, *args: Any) -> None:
+            # Hold the store's kernel stream (~0.1 s) just before the gather reads the
+            # blocks (the CPU never waits on it): without the fence, the overwrite below
+            # would run first and the host would get the new contents.
+            torch.cuda._sleep(200_000_000)
+            super().copy_pages(*args)
 
-    monkeypatch.setattr(_torchcopy, "gather_rows", late_gather)
-    engine = CudaCopyEngine(layout, pool)
+    engine = CudaCopyEngine(layout, pool, ops=LateOps(layout.device))
     try:
         async with ActorSystem() as system:
             store = await system.spawn(StoreActor(engine))
@@ -146,3 +146,111 @@ def test_raw_block_access_on_cuda_round_trips_exactly() -> None:
     for name in kv.groups[0]:
         assert torch.equal(kv.block(name, 8), before[name][2])
         assert torch.equal(kv.block(name, 0), before[name][5])
+
+
+def test_a_step_batch_bigger_than_the_ring_round_trips_bit_exactly() -> None:
+    kv = vllm_cpu("cuda")
+    before = kv.snapshot()
+    layout = describe_kv_caches(kv.tensors, kv.groups, NB)
+    pool = HostPool(num_slots=ROWS, blocks_per_chunk=1, row_bytes=layout.row_bytes, pin=True)
+    # 2 slots of 2 rows: 9 blocks are 5 pieces, each slot reused while the other copies
+    engine = CudaCopyEngine(layout, pool, staging_bytes=4 * layout.row_bytes, ring_slots=2)
+    src, rows = [0, 1, 2, 3, 4, 5, 6, 7, 8], [11, 3, 4, 5, 0, 9, 8, 1, 2]
+    dst = [9, 8, 7, 6, 5, 4, 3, 2, 1]
+    try:
+        stores = [job(1, "store", src[:4], rows[:4]), job(2, "store", src[4:], rows[4:])]
+        for c in engine.submit_batch(stores):
+            c.synchronize()
+            assert c.exception() is None
+        loads = [job(3, "load", dst[:2], rows[:2]), job(4, "load", dst[2:], rows[2:])]
+        for c in engine.submit_batch(loads):
+            c.synchronize()
+            assert c.exception() is None
+        torch.cuda.synchronize()
+        for name in kv.tensors:
+            for s_, d in zip(src, dst, strict=True):
+                assert torch.equal(kv.block(name, d), before[name][s_]), (name, d)
+        assert engine.statistics().kernel_launches == engine.statistics().pieces == 10
+    finally:
+        engine.close()
+
+
+def test_stores_and_loads_at_once_each_round_trip() -> None:
+    kv = vllm_cpu("cuda")
+    before = kv.snapshot()
+    layout = describe_kv_caches(kv.tensors, kv.groups, NB)
+    pool = HostPool(num_slots=ROWS, blocks_per_chunk=1, row_bytes=layout.row_bytes, pin=True)
+    engine = new_copy_engine(layout, pool)
+    try:
+        [seed] = engine.submit_batch([job(1, "store", [0, 1, 2], [6, 7, 8])])  # type: ignore[attr-defined]
+        seed.synchronize()
+        # a load of rows 6..8 into blocks 7..9 while blocks 3..5 are stored to rows 0..2
+        both = engine.submit_batch(  # type: ignore[attr-defined]
+            [job(2, "store", [3, 4, 5], [0, 1, 2]), job(3, "load", [7, 8, 9], [6, 7, 8])]
+        )
+        for c in both:
+            c.synchronize()
+            assert c.exception() is None
+        torch.cuda.synchronize()
+        for name in kv.tensors:
+            for s_, d in ((0, 7), (1, 8), (2, 9)):
+                assert torch.equal(kv.block(name, d), before[name][s_])
+        got = KVBlockAccess(layout).read_blocks([3, 4, 5])
+        assert torch.equal(pool.rows[[0, 1, 2], : got.shape[1]], got)
+    finally:
+        engine.close()
+
+
+def test_a_store_follows_the_compute_stream_of_the_thread_that_handed_it_over() -> None:
+    import threading
+
+    kv = vllm_cpu("cuda")
+    layout = describe_kv_caches(kv.tensors, kv.groups, NB)
+    pool = HostPool(num_slots=ROWS, blocks_per_chunk=1, row_bytes=layout.row_bytes, pin=True)
+    engine = CudaCopyEngine(layout, pool)
+    compute = torch.cuda.Stream()
+    try:
+        with torch.cuda.stream(compute):  # the engine's model thread, on its own stream
+            torch.cuda._sleep(50_000_000)
+            for t in kv.tensors.values():
+                t[4].fill_(2.5)
+            mark = engine.capture_compute()
+        done: list[Any] = []
+        # the actors' thread: its current stream is the default one
+        worker = threading.Thread(
+            target=lambda: done.extend(engine.submit_batch([job(1, "store", [4], [0])], mark))
+        )
+        worker.start()
+        worker.join()
+        done[0].synchronize()
+        want = torch.full_like(kv.tensors["l0"][4], 2.5).contiguous().view(torch.uint8)
+        assert torch.equal(pool.rows[0, : want.numel()], want.reshape(-1).cpu())
+    finally:
+        engine.close()
+
+
+@pytest.mark.anyio
+async def test_ferry_on_cuda_round_trips_with_many_concurrent_callers() -> None:
+    import anyio
+
+    from kvferry import Ferry
+
+    kv = vllm_cpu("cuda")
+    names = list(kv.tensors)
+    async with Ferry(
+        {n: kv.tensors[n] for n in names}, num_blocks=NB, cpu_bytes_to_use=64 << 20
+    ) as ferry:
+        keys = [bytes([i]) * 8 for i in range(NB)]
+        async with anyio.create_task_group() as tg:
+            for i in range(NB):
+                tg.start_soon(ferry.store, [keys[i]], [i])
+        before = {n: [kv.block(n, b).clone() for b in range(NB)] for n in names}
+        for t in kv.tensors.values():
+            t.zero_()
+        async with anyio.create_task_group() as tg:
+            for i in range(NB):
+                tg.start_soon(ferry.load, [keys[i]], [NB - 1 - i])
+        torch.cuda.synchronize()
+        for n in names:
+            for i in range(NB):
+                assert torch.equal(kv.block(n, NB - 1 - i), before[n][i])

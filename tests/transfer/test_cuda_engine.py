@@ -1,7 +1,7 @@
 """The CUDA copy engine's logic on a CPU: :class:`~kvferry.testing.FakeCudaDevice` runs
-every op when it is enqueued and the Triton page kernel interpreted
-(``TRITON_INTERPRET=1``, set by the tests' conftest), records what each stream waited on,
-and counts what the engine asked of the device."""
+every op when it is enqueued, the Triton page kernel in Triton's interpreter (the same
+kernel a GPU compiles), records what each stream waited on, and counts what the engine
+asked of the device."""
 
 from __future__ import annotations
 
@@ -152,8 +152,10 @@ def test_device_launches_per_batch_do_not_grow_with_the_layer_count(direction: s
         assert len(layout.groups[0].segments) == 2 * num_layers  # K and V of every layer
         engine.submit_batch([job(i, direction, [i, i + 4], [2 * i, 2 * i + 1]) for i in range(4)])
         engine.submit(job(9, direction, [9], [30]))  # a single job, as external callers do
-        counts.append((device.kernel_launches, device.uploads, device.memcpys))
-    assert counts[0] == counts[1] == (2, 2, 2)  # per batch: one table, one launch, one run
+        stats = engine.statistics()
+        counts.append((device.kernel_launches, stats.table_uploads, device.memcpys, device.uploads))
+    # per batch: one row table, one launch, one run; and the page templates once
+    assert counts[0] == counts[1] == (2, 2, 2, 3)
 
 
 def test_a_batch_is_planned_without_a_python_loop_per_block() -> None:
@@ -220,7 +222,7 @@ def test_a_batch_failing_half_way_ends_only_after_what_it_enqueued() -> None:
     kv = per_layer_split_nhd()
     _, _, engine, device = setup(kv, slot_rows=1, ring=2, fire=False)
     launches = 0
-    real = device.copy_pages
+    real = device.copy_rows
 
     def second_launch_fails(*args: object) -> None:
         nonlocal launches
@@ -229,7 +231,7 @@ def test_a_batch_failing_half_way_ends_only_after_what_it_enqueued() -> None:
             raise RuntimeError("CUDA error: launch failed")
         real(*args)  # type: ignore[arg-type]
 
-    device.copy_pages = second_launch_fails  # type: ignore[method-assign]
+    device.copy_rows = second_launch_fails  # type: ignore[method-assign]
     first, second = engine.submit_batch([job(1, "store", [0], [0]), job(2, "store", [1], [1])])
     assert not first.query() and not second.query()
     for event in device.events[:-1]:
