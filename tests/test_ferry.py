@@ -173,3 +173,32 @@ async def test_a_ferry_is_used_inside_async_with() -> None:
     ferry = Ferry(kv_caches(), num_blocks=NUM_BLOCKS, cpu_bytes_to_use=1 << 20)
     with pytest.raises(RuntimeError, match="async with"):
         await ferry.lookup(keys(1))
+
+
+async def test_a_waiting_caller_is_woken_by_the_completion_not_by_polling() -> None:
+    from kvferry.transfer._testing import ManualCopyEngine
+
+    engine = ManualCopyEngine()
+    async with Ferry(
+        kv_caches(),
+        num_blocks=NUM_BLOCKS,
+        cpu_bytes_to_use=1 << 20,
+        copy_engine=lambda _l, _p: engine,
+    ) as ferry:
+        stored: list[int] = []
+
+        async def store() -> None:
+            stored.append(await ferry.store(keys(1, 2), [1, 2]))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(store)
+            await anyio.wait_all_tasks_blocked()
+            [job] = engine.submitted
+            assert stored == []  # waiting: nothing polls the actor meanwhile
+            polls_before = ferry.system.statistics()
+            engine.completions[job.job_id].fire()  # the "device" ends the job, off the loop
+        assert stored == [2]
+        # the store actor handled the submission and one wake-up, no PollFinished loop
+        store_stats = [s for s in ferry.system.statistics() if s.name == "StoreActor"][0]
+        before = [s for s in polls_before if s.name == "StoreActor"][0]
+        assert store_stats.messages_handled - before.messages_handled == 1
