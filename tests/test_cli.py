@@ -117,7 +117,7 @@ def test_vllms_own_keys_are_read_from_the_installed_vllm() -> None:
 
     from vllm.config import KVTransferConfig
 
-    assert vllm_transfer_config_fields() == {f.name for f in fields(KVTransferConfig)}
+    assert vllm_transfer_config_fields() == frozenset(f.name for f in fields(KVTransferConfig))
 
 
 def test_a_load_failure_policy_set_by_hand_is_a_warning_not_an_error() -> None:
@@ -133,6 +133,7 @@ def test_traces_summarize_reads_files_kvferry_wrote(tmp_path: Path) -> None:
 
     path = tmp_path / "kvferry-scheduler.json"
     provider = setup({"file": str(path), "otlp": False}, role="scheduler", environ={})
+    assert provider is not None
     sched = SchedulerTracer(provider)
     for i in range(2):
         sched.request_started(f"req-{i}")

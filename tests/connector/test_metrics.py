@@ -35,7 +35,7 @@ def make_exporter(make_vllm_config: Any) -> tuple[Any, CollectorRegistry]:
     from kvferry.connector._stats import KVFerryPromMetrics
 
     registry = CollectorRegistry()
-    types = {
+    types: dict[Any, Any] = {
         Gauge: functools.partial(Gauge, registry=registry),
         Counter: functools.partial(Counter, registry=registry),
         Histogram: functools.partial(Histogram, registry=registry),
