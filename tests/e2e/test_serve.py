@@ -275,3 +275,29 @@ def test_kvferry_metrics_reach_the_api_server(served: dict[str, Any]) -> None:
     assert capacity == CPU_BYTES // (BLOCK * bytes_per_token)
     assert 0 < used <= capacity
     assert m["vllm:kvferry_host_usage_ratio"] == pytest.approx(used / capacity)
+
+
+def test_kvferry_top_once_shows_this_servers_metrics(
+    server: Server, served: dict[str, Any]
+) -> None:
+    """``kvferry top --once`` against this server: what it shows is what /metrics says."""
+    pytest.importorskip("rich", reason="kvferry top needs its extra: kvferry[cli]")
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "COLUMNS": "120"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    r = subprocess.run(
+        [sys.executable, "-m", "kvferry", "top", "--once", server.base_url],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"model={MODEL_NAME} engine=0" in r.stdout, r.stdout
+    m = samples(served["metrics"])  # the counters end with the passes: scraped once more
+
+    def row(label: str) -> str:
+        return next(line for line in r.stdout.splitlines() if label in line)
+
+    hit = m["vllm:kvferry_tokens_hit_total"] / m["vllm:kvferry_tokens_looked_up_total"]
+    assert f"{hit:.1%}" in row("hit rate")
+    assert f"{m['vllm:kvferry_tokens_loaded_total']:,.0f}" in row("tokens loaded")
+    used, capacity = m["vllm:kvferry_host_blocks_used"], m["vllm:kvferry_host_blocks_capacity"]
+    assert f"{used:,.0f} / {capacity:,.0f}" in row("host occupancy")
