@@ -1,4 +1,4 @@
-"""KV layouts as byte runs, the host pool, copy plans, and exact round trips through
+"""KV layouts as byte runs, copy plans, and exact round trips through
 every copy path (the batched kernels, the copy threads, the CUDA engine's logic on CPU
 tensors) in every layout vLLM hands over."""
 
@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 
-from kvferry import HostMemoryError
 from kvferry.testing import FakeCudaEvent, FakeStream, fake_use_stream
 from kvferry.transfer import (
     CopyEngine,
@@ -267,20 +266,6 @@ def test_raw_write_refuses_rows_of_the_wrong_shape() -> None:
     access = KVBlockAccess(layout_of(vllm_cpu()))
     with pytest.raises(ValueError, match="uint8 of shape"):
         access.write_blocks([1], torch.zeros(1, access.row_bytes + 1, dtype=torch.uint8))
-
-
-# ----------------------------------------------------------------- the host pool
-
-
-def test_host_pool_larger_than_the_machine_fails_clearly() -> None:
-    with pytest.raises(HostMemoryError, match="machine has only"):
-        HostPool(num_slots=1 << 40, blocks_per_chunk=1, row_bytes=1 << 20)
-
-
-def test_host_pool_slot_rows_are_consecutive() -> None:
-    pool = HostPool(num_slots=3, blocks_per_chunk=2, row_bytes=16)
-    assert pool.slot_rows(1).data_ptr() == pool.rows[2].data_ptr()
-    assert np.prod(pool.rows.shape) == pool.nbytes
 
 
 def test_copy_job_refuses_rows_outside_the_pool_before_copying() -> None:
