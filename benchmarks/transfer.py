@@ -40,11 +40,17 @@ one thread, its CPU time against the CPU time of the memcpy (so that other tenan
 use of the two cores, which moves every wall-clock figure here, moves these little).
 
 Host pool (``hostpool_*``): seconds per GiB to get a zeroed, populated pool of
-``HOSTPOOL_GIB`` — :class:`~kvferry.transfer.HostPool` (``hostpool_s_per_gib``) against
-the way it was made before, ``torch.empty(...).fill_(0)`` on one thread
-(``hostpool_torch_s_per_gib``) — median over repeats that alternate the two (the order
-rotating, since memory just freed is faster to get back). :func:`host_pool_seconds` is
-the function a CUDA benchmark calls for ``pinned_pool_s_32g``.
+``HOSTPOOL_GIB`` — :class:`~kvferry.transfer.HostPool` as it chooses
+(``hostpool_s_per_gib``), with huge pages and without (``hostpool_huge_pages_*``,
+``hostpool_small_pages_*``), against the way it was made before,
+``torch.empty(...).fill_(0)`` on one thread (``hostpool_torch_s_per_gib``) — median
+over repeats that alternate the four, the order rotating. Each starts
+``HOSTPOOL_PAUSE_S`` after the last one freed its memory: a virtual machine with free
+page reporting (as here: the host takes back free blocks of 2 MiB and more after about
+2 s) would otherwise hand that memory back still backed, which an engine's start never
+sees. :func:`host_pool_seconds` is the function a CUDA benchmark calls for
+``pinned_pool_s_32g`` (``host_pool_seconds(32 << 30, pin=True)``; ``huge_pages=``
+forces the choice either way).
 
 ``--only WORD`` runs only the sections whose name contains WORD (``hostpool``,
 ``vllm-cpu 16k``, ...).
@@ -88,7 +94,8 @@ JOB_MIB = 8
 LAYERS = 8
 CHUNKS = {"16k": 16 << 10, "64k": 64 << 10, "256k": 256 << 10, "2m": 2 << 20}
 HOSTPOOL_GIB = 1 if QUICK else 2
-HOSTPOOL_REPEATS = 3 if QUICK else 6
+HOSTPOOL_REPEATS = 2 if QUICK else 4
+HOSTPOOL_PAUSE_S = 3.0
 
 
 def make_layout(kind: str, chunk: int) -> tuple[KVLayout, torch.Tensor]:
@@ -249,12 +256,18 @@ def kernel_ratios(trial: Trial, kernels: dict[str, BatchKernel]) -> dict[str, fl
     return {key: statistics.median(r) for key, r in rs.items()}
 
 
-def host_pool_seconds(nbytes: int, *, pin: bool = False) -> float:
+def host_pool_seconds(nbytes: int, *, pin: bool = False, huge_pages: bool | None = None) -> float:
     """Seconds to make (and, with ``pin``, page-lock) a :class:`HostPool` of ``nbytes``
     in rows of 1 MiB; the pool is closed and dropped before returning."""
     row = 1 << 20
     t0 = time.perf_counter()
-    pool = HostPool(num_slots=-(-nbytes // row), blocks_per_chunk=1, row_bytes=row, pin=pin)
+    pool = HostPool(
+        num_slots=-(-nbytes // row),
+        blocks_per_chunk=1,
+        row_bytes=row,
+        pin=pin,
+        huge_pages=huge_pages,
+    )
     seconds = time.perf_counter() - t0
     pool.close()
     del pool
@@ -277,19 +290,23 @@ def torch_pool_seconds(nbytes: int, *, pin: bool = False) -> float:
 def host_pool_figures() -> dict[str, float]:
     nbytes = HOSTPOOL_GIB << 30
     ways: dict[str, Callable[[int], float]] = {
-        "kvferry": host_pool_seconds,
-        "torch": torch_pool_seconds,
+        "hostpool": host_pool_seconds,
+        "hostpool_huge_pages": functools.partial(host_pool_seconds, huge_pages=True),
+        "hostpool_small_pages": functools.partial(host_pool_seconds, huge_pages=False),
+        "hostpool_torch": torch_pool_seconds,
     }
     names = list(ways)
     seconds: dict[str, list[float]] = {name: [] for name in names}
     for r in range(HOSTPOOL_REPEATS):
-        # The first after a free gets recently freed memory back; rotate who that is.
         for name in names[r % len(names) :] + names[: r % len(names)]:
+            time.sleep(HOSTPOOL_PAUSE_S)
             seconds[name].append(ways[name](nbytes) / HOSTPOOL_GIB)
-    new = statistics.median(seconds["kvferry"])
-    old = statistics.median(seconds["torch"])
-    print(f"{'hostpool':<12} {HOSTPOOL_GIB:>4}GiB kvferry {new:.3f} s/GiB, torch {old:.3f} s/GiB")
-    return {"hostpool_s_per_gib": round(new, 3), "hostpool_torch_s_per_gib": round(old, 3)}
+    figures: dict[str, float] = {}
+    for name, s in seconds.items():
+        figures[f"{name}_s_per_gib"] = round(statistics.median(s), 3)
+        runs = " ".join(f"{x:.2f}" for x in s)
+        print(f"{name:<22} {HOSTPOOL_GIB} GiB: {statistics.median(s):.3f} s/GiB (runs: {runs})")
+    return figures
 
 
 def copy_figures(figures: dict[str, float]) -> None:

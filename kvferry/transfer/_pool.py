@@ -6,11 +6,13 @@ back to back (see :mod:`._layout`), and a slot (one offloaded chunk) is
 
 Allocation is on the engine's start path, so it is made fast: the pool is one anonymous
 mapping, advised to use transparent huge pages where the system offers them (512 times
-fewer page faults, and fewer TLB misses for the copies later), and populated by several
-threads at once (``MADV_POPULATE_WRITE`` where the kernel has it, else a write per page),
-so the memory is really there and the error comes at start, not at the first store. On
-CUDA the populated range is then pinned with one ``cudaHostRegister``, so copies to and
-from it are ``non_blocking`` DMA. A fresh anonymous mapping reads as zeros.
+fewer page faults, and fewer TLB misses for the copies later) unless it runs in a
+virtual machine that gives free memory back to its host (there huge pages are slower to
+get), and populated by several threads at once (``MADV_POPULATE_WRITE`` where the kernel
+has it, else a write per page), so the memory is really there and the error comes at
+start, not at the first store. On CUDA the populated range is then pinned with one
+``cudaHostRegister``, so copies to and from it are ``non_blocking`` DMA. A fresh
+anonymous mapping reads as zeros.
 
 Lifetime: ``rows`` is a tensor over the mapping and keeps it alive; the mapping is
 unpinned and unmapped when the last view of it is gone, or unpinned at once by
@@ -29,6 +31,7 @@ import mmap
 import os
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -53,6 +56,30 @@ _PAGE = mmap.PAGESIZE
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 _libc.madvise.restype = ctypes.c_int
+
+
+_BALLOONS = Path("/sys/bus/virtio/drivers/virtio_balloon")
+_VIRTIO_BALLOON_F_REPORTING = 5
+
+
+def host_reclaims_free_memory() -> bool:
+    """Whether this kernel hands free memory back to a hypervisor (a virtio balloon with
+    free page reporting, which reports free blocks of 2 MiB and more).
+
+    There, a huge page is made of memory the host has taken back and must fault in
+    again, while small pages come, as long as they last, from smaller free blocks it
+    left alone: populating a pool with huge pages measured 2.2-3.7 s/GiB on such a
+    machine (2 cores), with small pages 0.46-0.75.
+    """
+    try:
+        devices = list(_BALLOONS.glob("virtio*"))
+        features = [(d / "features").read_text().strip() for d in devices]
+    except OSError:
+        return False
+    return any(
+        len(f) > _VIRTIO_BALLOON_F_REPORTING and f[_VIRTIO_BALLOON_F_REPORTING] == "1"
+        for f in features
+    )
 
 
 def default_populate_threads(nbytes: int) -> int:
@@ -156,8 +183,10 @@ class HostPool:
     """``rows``: a ``(num_slots * blocks_per_chunk, row_bytes)`` uint8 tensor, zeroed.
 
     ``pin=True`` page-locks it for the CUDA device. ``populate_threads`` defaults to
-    :func:`default_populate_threads`. ``huge_pages`` reports whether the kernel took the
-    huge-page advice (it is still only advice: the kernel falls back to small pages
+    :func:`default_populate_threads`. ``huge_pages``: whether to advise transparent huge
+    pages; by default yes, unless :func:`host_reclaims_free_memory` (where populating
+    them is several times slower than small pages). The ``huge_pages`` attribute says
+    whether the kernel took the advice (still only advice: it falls back to small pages
     where it has no huge page free).
     """
 
@@ -169,6 +198,7 @@ class HostPool:
         *,
         pin: bool = False,
         populate_threads: int | None = None,
+        huge_pages: bool | None = None,
     ) -> None:
         if num_slots <= 0:
             raise HostMemoryError(
@@ -194,7 +224,9 @@ class HostPool:
             raise HostMemoryError(f"could not map a host pool of {nbytes} bytes: {exc}") from exc
         address = mapping.address
         self.huge_pages = False
-        if hasattr(mmap, "MADV_HUGEPAGE"):
+        if huge_pages is None:
+            huge_pages = not host_reclaims_free_memory()
+        if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
             self.huge_pages = _advise(address, length, mmap.MADV_HUGEPAGE) == 0
         threads = populate_threads or default_populate_threads(nbytes)
         try:

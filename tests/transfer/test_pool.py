@@ -94,12 +94,29 @@ def test_pool_memory_is_resident_when_the_constructor_returns() -> None:
 
 @linux_only
 @pytest.mark.skipif(not thp_offered(), reason="this system offers no transparent huge pages")
-def test_pool_is_advised_to_use_huge_pages() -> None:
-    pool = HostPool(num_slots=4, blocks_per_chunk=1, row_bytes=2 * MiB)
+def test_pool_is_advised_to_use_huge_pages_when_asked() -> None:
+    pool = HostPool(num_slots=4, blocks_per_chunk=1, row_bytes=2 * MiB, huge_pages=True)
     assert pool.huge_pages
-    entry = mapping_of(pool.rows.data_ptr())
+    entry = mapping_of(pool.rows.data_ptr(), pool.nbytes)
     assert entry is not None
     assert "hg" in entry["VmFlags"].split()  # the kernel's mark of MADV_HUGEPAGE
+
+
+@linux_only
+def test_pool_without_huge_pages_gives_no_advice() -> None:
+    pool = HostPool(num_slots=4, blocks_per_chunk=1, row_bytes=2 * MiB, huge_pages=False)
+    assert not pool.huge_pages
+    entry = mapping_of(pool.rows.data_ptr(), pool.nbytes)
+    assert entry is not None
+    assert "hg" not in entry["VmFlags"].split()
+    assert not pool.rows.any()
+
+
+@linux_only
+@pytest.mark.skipif(not thp_offered(), reason="this system offers no transparent huge pages")
+def test_pool_uses_huge_pages_by_default_unless_the_host_reclaims_free_memory() -> None:
+    pool = HostPool(num_slots=2, blocks_per_chunk=1, row_bytes=2 * MiB)
+    assert pool.huge_pages == (not _pool.host_reclaims_free_memory())
 
 
 def test_pool_larger_than_the_machine_fails_clearly() -> None:
