@@ -48,7 +48,7 @@ MIN_SLICE_BYTES = 64 << 20
 """Below this per thread, another thread costs more to start than it saves."""
 
 MAX_POPULATE_THREADS = 16
-"""Page zeroing is bound by memory bandwidth well before this many threads."""
+"""A cap, so that a host of many cores does not start a thread per core for this."""
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14; the mmap module (3.11) does not name it
 _PAGE = mmap.PAGESIZE
@@ -68,8 +68,8 @@ def host_reclaims_free_memory() -> bool:
 
     There, a huge page is made of memory the host has taken back and must fault in
     again, while small pages come, as long as they last, from smaller free blocks it
-    left alone: populating a pool with huge pages measured 2.2-3.7 s/GiB on such a
-    machine (2 cores), with small pages 0.46-0.75.
+    left alone: populating a pool with huge pages measured 2.2-4.8 s/GiB on such a
+    machine (2 cores; medians of runs), with small pages 0.46-0.76.
     """
     try:
         devices = list(_BALLOONS.glob("virtio*"))
