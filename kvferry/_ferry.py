@@ -159,6 +159,9 @@ class Ferry:
                 # load returns only once its copy ended, cancelled or not), so this is
                 # quick, and it starts no worker thread that would outlive the Ferry.
                 engine.close()
+            pool, self._pool = self._pool, None
+            if pool is not None:
+                pool.close()
 
     def _refs(self) -> tuple[ActorRef[DirectoryMsg], ActorRef[TransferMsg], ActorRef[TransferMsg]]:
         if self._directory is None or self._store is None or self._load is None:

@@ -254,3 +254,5 @@ class WorkerSide:
         engine = getattr(self, "_engine", None)
         if engine is not None:
             engine.close()
+        if self.pool is not None:
+            self.pool.close()  # unpins at once (nothing copies to or from it any more)

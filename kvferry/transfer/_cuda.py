@@ -51,6 +51,7 @@ import attrs
 import numpy as np
 import torch
 
+from .._errors import HostMemoryError
 from .._logging import get_logger
 from ._copy import Completion, CopyJob, Direction, EndedCompletion, job_bytes
 from ._layout import KVLayout
@@ -462,3 +463,32 @@ class CudaCopyEngine:
         for lane in self._lanes.values():
             lane.kernel.synchronize()
             lane.dma.synchronize()
+
+
+def register_host_memory(address: int, nbytes: int) -> None:
+    """Page-lock ``nbytes`` at ``address`` for the CUDA device (``cudaHostRegister``): the
+    host pool maps and populates its memory itself, then pins the range once.
+
+    Raises :class:`~kvferry.HostMemoryError` when there is no CUDA device or the driver
+    refuses (the page-locked limit, ``ulimit -l``, or too little memory).
+    """
+    import torch.cuda
+
+    if not torch.cuda.is_available():
+        raise HostMemoryError("a pinned host pool needs a CUDA device, and there is none")
+    cudart: Any = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+    err = cudart.cudaHostRegister(address, nbytes, 0)  # cudaHostRegisterDefault
+    if int(err) != 0:
+        raise HostMemoryError(
+            f"could not pin a host pool of {nbytes} bytes (cudaHostRegister: "
+            f"{cudart.cudaGetErrorString(err)}); is the page-locked memory limit "
+            f"(ulimit -l) too low?"
+        )
+
+
+def unregister_host_memory(address: int) -> None:
+    """Undo :func:`register_host_memory`; must run before the memory is unmapped."""
+    import torch.cuda
+
+    cudart: Any = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+    cudart.cudaHostUnregister(address)

@@ -1,4 +1,4 @@
-"""KV layouts as byte runs, the host pool, copy plans, and exact round trips through
+"""KV layouts as byte runs, copy plans, and exact round trips through
 every copy path (the batched kernels, the copy threads, the CUDA engine's logic on CPU
 tensors) in every layout vLLM hands over."""
 
@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 
-from kvferry import HostMemoryError
 from kvferry.testing import FakeCudaDevice
 from kvferry.transfer import (
     CopyEngine,
@@ -27,7 +26,7 @@ from kvferry.transfer import (
     layer_segments,
     new_copy_engine,
 )
-from kvferry.transfer._kernel import batch_kernel
+from kvferry.transfer._kernel import batch_kernel, jit_kernel
 from kvferry.transfer._plan import plan_job, split_plan
 
 from .kvlayouts import KV, LAYOUTS, NB, L, block_outermost, hnd_stored_nhd_viewed, vllm_cpu
@@ -97,11 +96,20 @@ def test_a_broadcast_tensor_is_refused() -> None:
 # ----------------------------------------------------------------- kernels and plans
 
 
-@pytest.mark.parametrize("kernel", ["jit", "memmove"])
+@pytest.mark.parametrize(
+    "kernel", ["jit", "jit-before", "jit-prefetch-1", "jit-prefetch-past-the-end", "memmove"]
+)
 def test_batch_kernel_copies_exactly_the_descriptors(kernel: str) -> None:
-    if kernel == "jit":
+    if kernel.startswith("jit"):
         pytest.importorskip("llvmlite", reason="the JIT kernel needs llvmlite")
-    _, copy = batch_kernel(kernel)
+    ahead = {"jit-before": 0, "jit-prefetch-1": 1, "jit-prefetch-past-the-end": 1000}
+    if kernel in ahead:
+        pair_max_bytes = 0 if kernel == "jit-before" else 8192
+        copy = jit_kernel(
+            prefetch_ahead=ahead[kernel], prefetch_lines=3, pair_max_bytes=pair_max_bytes
+        )
+    else:
+        _, copy = batch_kernel(kernel)
     rng = np.random.default_rng(0)
     src = torch.randint(
         0, 256, (1 << 21,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)
@@ -136,6 +144,46 @@ def test_batch_kernel_copies_exactly_the_descriptors(kernel: str) -> None:
         assert torch.equal(dst[d : d + n], src[s : s + n])
         written[d : d + n] = True
     assert not dst[~written].any()
+
+
+@pytest.mark.parametrize(("ahead", "pair_max_bytes"), [(0, 0), (0, 8192), (2, 8192), (2, 1 << 20)])
+def test_jit_kernel_copies_runs_of_equal_aligned_descriptors_exactly(
+    ahead: int, pair_max_bytes: int
+) -> None:
+    # Short descriptors of one size with 64-byte aligned destinations are copied two at
+    # a time: runs of odd length, sizes around the limits of that path, and one
+    # misaligned destination in the middle of a run.
+    pytest.importorskip("llvmlite", reason="the JIT kernel needs llvmlite")
+    copy = jit_kernel(prefetch_ahead=ahead, pair_max_bytes=pair_max_bytes)
+    rng = np.random.default_rng(2)
+    sizes = np.array(
+        [256] * 5 + [512, 512] + [1024] * 3 + [2048, 2304] + [1280] * 4 + [7936] * 2 + [8192] * 3,
+        dtype=np.int64,
+    )
+    src = torch.randint(
+        0, 256, (1 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(2)
+    )
+    dst = torch.zeros(1 << 20, dtype=torch.uint8)
+    base = -dst.data_ptr() % 64  # the first aligned offset
+    dst_off = base + np.cumsum(np.concatenate(([0], sizes[:-1] + 64)))
+    dst_off[14] += 8  # breaks the run of 1280s in two
+    src_off = rng.integers(0, (1 << 19), len(sizes))  # unaligned sources
+    copy(
+        (dst.data_ptr() + dst_off).astype(np.int64),
+        (src.data_ptr() + src_off).astype(np.int64),
+        sizes,
+    )
+    written = torch.zeros_like(dst, dtype=torch.bool)
+    for d, s, n in zip(dst_off.tolist(), src_off.tolist(), sizes.tolist(), strict=True):
+        assert torch.equal(dst[d : d + n], src[s : s + n])
+        written[d : d + n] = True
+    assert not dst[~written].any()
+
+
+def test_jit_kernel_refuses_a_negative_prefetch() -> None:
+    pytest.importorskip("llvmlite", reason="the JIT kernel needs llvmlite")
+    with pytest.raises(ValueError, match="prefetch_ahead"):
+        jit_kernel(prefetch_ahead=-1)
 
 
 def test_consecutive_blocks_of_a_block_outermost_layout_merge_into_one_copy() -> None:
@@ -256,20 +304,6 @@ def test_raw_write_refuses_rows_of_the_wrong_shape() -> None:
     access = KVBlockAccess(layout_of(vllm_cpu()))
     with pytest.raises(ValueError, match="uint8 of shape"):
         access.write_blocks([1], torch.zeros(1, access.row_bytes + 1, dtype=torch.uint8))
-
-
-# ----------------------------------------------------------------- the host pool
-
-
-def test_host_pool_larger_than_the_machine_fails_clearly() -> None:
-    with pytest.raises(HostMemoryError, match="machine has only"):
-        HostPool(num_slots=1 << 40, blocks_per_chunk=1, row_bytes=1 << 20)
-
-
-def test_host_pool_slot_rows_are_consecutive() -> None:
-    pool = HostPool(num_slots=3, blocks_per_chunk=2, row_bytes=16)
-    assert pool.slot_rows(1).data_ptr() == pool.rows[2].data_ptr()
-    assert np.prod(pool.rows.shape) == pool.nbytes
 
 
 def test_copy_job_refuses_rows_outside_the_pool_before_copying() -> None:
