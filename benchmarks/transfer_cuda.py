@@ -32,7 +32,8 @@ concurrent ``store`` calls of 16 blocks then 64 concurrent ``load`` calls, while
 ticks every 1 ms and records its lag (``ferry_loop_lag_ms_p99`` / ``_max``).
 
 ``pinned_pool_s_32g``: seconds to allocate and pin a 32 GiB host pool
-(:class:`~kvferry.transfer.HostPool`, ``pin=True``), when the machine has the memory.
+(:class:`~kvferry.transfer.HostPool`, ``pin=True``), when the machine has the memory;
+``_huge`` / ``_small`` with transparent huge pages forced on / off.
 """
 
 from __future__ import annotations
@@ -247,7 +248,7 @@ def run_cuda() -> dict[str, Any]:
     for shape, key, gbps in rows_out:
         print(f"{shape:6} {key:14} {gbps:8.2f}")
     figures.update(ferry_lag())
-    figures["pinned_pool_s_32g"] = pinned_pool_seconds(32 << 30)
+    figures.update(pinned_pools(32 << 30))
     return figures
 
 
@@ -298,18 +299,23 @@ def ferry_lag() -> dict[str, Any]:
     return asyncio.run(main())
 
 
-def pinned_pool_seconds(nbytes: int) -> float | None:
+def pinned_pools(nbytes: int) -> dict[str, float | None]:
+    """Seconds to allocate and pin a host pool of ``nbytes`` (the default way, and with
+    huge pages forced on and off), when the machine has the memory."""
     from kvferry._config import available_host_bytes
 
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from transfer import host_pool_seconds
+
     if available_host_bytes() < nbytes * 1.25:
-        return None
-    t0 = time.perf_counter()
-    pool = HostPool(num_slots=nbytes >> 21, blocks_per_chunk=1, row_bytes=1 << 21, pin=True)
-    seconds = time.perf_counter() - t0
-    close = getattr(pool, "close", None)
-    if callable(close):
-        close()
-    return round(seconds, 2)
+        return {"pinned_pool_s_32g": None}
+    return {
+        "pinned_pool_s_32g": round(host_pool_seconds(nbytes, pin=True), 2),
+        "pinned_pool_s_32g_huge": round(host_pool_seconds(nbytes, pin=True, huge_pages=True), 2),
+        "pinned_pool_s_32g_small": round(
+            host_pool_seconds(nbytes, pin=True, huge_pages=False), 2
+        ),
+    }
 
 
 def main() -> None:
