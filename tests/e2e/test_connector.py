@@ -31,7 +31,9 @@ class Engine:
         from vllm.inputs import TokensPrompt
 
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **extra)
-        return self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        return self.llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
+        )
 
     def metric(self, name: str) -> float:
         return sum(getattr(m, "value", 0) or 0 for m in self.llm.get_metrics() if m.name == name)
@@ -45,7 +47,9 @@ def tokens(outs: list[Any]) -> list[list[int]]:
 
 
 def loaded(outs: list[Any]) -> list[int]:
-    return [((o.kv_transfer_params or {}).get("kvferry") or {}).get("tokens_loaded", 0) for o in outs]
+    return [
+        ((o.kv_transfer_params or {}).get("kvferry") or {}).get("tokens_loaded", 0) for o in outs
+    ]
 
 
 WORKLOADS: dict[str, tuple[list[list[int]], int]] = {
@@ -79,7 +83,9 @@ def fresh(ferry: Engine) -> Iterator[None]:
     yield
 
 
-def test_last_stores_complete_when_no_request_is_left(fresh: None, ferry: Engine, reference: Any) -> None:
+def test_last_stores_complete_when_no_request_is_left(
+    fresh: None, ferry: Engine, reference: Any
+) -> None:
     [doc] = WORKLOADS["idle"][0]
     first = ferry.generate([doc])
     # The engine went idle right after; its stores must have ended on the last steps,
@@ -129,7 +135,9 @@ def test_request_can_turn_storing_off(fresh: None, ferry: Engine) -> None:
     assert loaded(ferry.generate([doc])) == [0]
 
 
-def test_bad_request_params_are_reported_to_the_client(fresh: None, ferry: Engine, reference: Any) -> None:
+def test_bad_request_params_are_reported_to_the_client(
+    fresh: None, ferry: Engine, reference: Any
+) -> None:
     [doc] = WORKLOADS["bad_params"][0]
     [out] = ferry.generate([doc], extra_args={"kv_transfer_params": {"kvferry": {"lod": False}}})
     assert "['lod']: unknown key" in out.kv_transfer_params["kvferry"]["error"]
@@ -145,15 +153,32 @@ def test_reset_cache_clears_the_host_tier(fresh: None, ferry: Engine) -> None:
 
 def test_metrics_count_hits_loads_and_bytes(fresh: None, ferry: Engine) -> None:
     [doc] = long_doc_prompts(1, 600, seed=17)
-    before = {n: ferry.metric(n) for n in ("vllm:kvferry_tokens_loaded", "vllm:kvferry_load_bytes", "vllm:kvferry_tokens_stored", "vllm:external_prefix_cache_hits")}
+    before = {
+        n: ferry.metric(n)
+        for n in (
+            "vllm:kvferry_tokens_loaded",
+            "vllm:kvferry_load_bytes",
+            "vllm:kvferry_tokens_stored",
+            "vllm:external_prefix_cache_hits",
+        )
+    }
     ferry.generate([doc])
     ferry.llm.reset_prefix_cache()
     ferry.generate([doc])
     after = {n: ferry.metric(n) for n in before}
     blocks = len(doc) // 128
-    assert after["vllm:kvferry_tokens_loaded"] - before["vllm:kvferry_tokens_loaded"] == blocks * 128
-    assert after["vllm:kvferry_tokens_stored"] - before["vllm:kvferry_tokens_stored"] >= blocks * 128
-    assert after["vllm:kvferry_load_bytes"] - before["vllm:kvferry_load_bytes"] == blocks * 2 * 65536
-    assert after["vllm:external_prefix_cache_hits"] - before["vllm:external_prefix_cache_hits"] == blocks * 128
+    assert (
+        after["vllm:kvferry_tokens_loaded"] - before["vllm:kvferry_tokens_loaded"] == blocks * 128
+    )
+    assert (
+        after["vllm:kvferry_tokens_stored"] - before["vllm:kvferry_tokens_stored"] >= blocks * 128
+    )
+    assert (
+        after["vllm:kvferry_load_bytes"] - before["vllm:kvferry_load_bytes"] == blocks * 2 * 65536
+    )
+    assert (
+        after["vllm:external_prefix_cache_hits"] - before["vllm:external_prefix_cache_hits"]
+        == blocks * 128
+    )
     assert ferry.metric("vllm:kvferry_host_blocks_used") > 0
     assert ferry.metric("vllm:kvferry_host_blocks_capacity") == (64 << 20) // (2 * 65536)

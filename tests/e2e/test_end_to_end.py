@@ -35,7 +35,9 @@ def run_two_passes(model: Path, kvferry: dict[str, Any] | None) -> dict[str, Any
 
     llm = LLM(**engine_args(model, kvferry=kvferry, disable_log_stats=False))
     docs = long_doc_prompts(NUM_DOCS, DOC_TOKENS)
-    results = run_long_doc_passes(llm, docs, [list(range(NUM_DOCS)), reask_order(NUM_DOCS)], max_tokens=MAX_TOKENS)
+    results = run_long_doc_passes(
+        llm, docs, [list(range(NUM_DOCS)), reask_order(NUM_DOCS)], max_tokens=MAX_TOKENS
+    )
     passes = [
         {
             d: {"tokens": r.tokens[d], "cached": r.cached[d], "loaded": r.loaded[d]}
@@ -61,10 +63,14 @@ def with_kvferry(request: pytest.FixtureRequest, tiny_model: Path) -> dict[str, 
     return {**run_two_passes(tiny_model, extra), "block_size": request.param or 128}
 
 
-def test_outputs_equal_outputs_without_kvferry(baseline: dict[str, Any], with_kvferry: dict[str, Any]) -> None:
+def test_outputs_equal_outputs_without_kvferry(
+    baseline: dict[str, Any], with_kvferry: dict[str, Any]
+) -> None:
     for p in range(2):
         for doc in range(NUM_DOCS):
-            assert with_kvferry["passes"][p][doc]["tokens"] == baseline["passes"][p][doc]["tokens"], (p, doc)
+            assert (
+                with_kvferry["passes"][p][doc]["tokens"] == baseline["passes"][p][doc]["tokens"]
+            ), (p, doc)
 
 
 def test_outputs_depend_on_the_prompt(baseline: dict[str, Any]) -> None:
@@ -73,7 +79,9 @@ def test_outputs_depend_on_the_prompt(baseline: dict[str, Any]) -> None:
     assert len(answers) == NUM_DOCS
 
 
-def test_second_pass_loads_from_host_memory(baseline: dict[str, Any], with_kvferry: dict[str, Any]) -> None:
+def test_second_pass_loads_from_host_memory(
+    baseline: dict[str, Any], with_kvferry: dict[str, Any]
+) -> None:
     second = with_kvferry["passes"][1]
     full_blocks = (DOC_TOKENS + 8) // 128 * 128
     stored = (DOC_TOKENS + 8) // with_kvferry["block_size"] * with_kvferry["block_size"]
@@ -91,7 +99,9 @@ def test_second_pass_loads_from_host_memory(baseline: dict[str, Any], with_kvfer
     assert all(with_kvferry["passes"][0][d]["loaded"] == 0 for d in range(NUM_DOCS))
 
 
-def test_scheduler_counted_external_hits(baseline: dict[str, Any], with_kvferry: dict[str, Any]) -> None:
+def test_scheduler_counted_external_hits(
+    baseline: dict[str, Any], with_kvferry: dict[str, Any]
+) -> None:
     hits = with_kvferry["metrics"].get("vllm:external_prefix_cache_hits")
     assert hits is not None and hits > 0
     assert not baseline["metrics"].get("vllm:external_prefix_cache_hits")
@@ -110,7 +120,10 @@ def test_bad_config_fails_at_engine_start_naming_the_key(tiny_model: Path, tmp_p
         )
     )
     proc = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     assert proc.returncode != 0

@@ -36,7 +36,11 @@ def run(model: Path, kvferry: dict[str, Any] | None) -> dict[str, Any]:
     results = run_long_doc_passes(llm, docs, [list(range(NUM_DOCS)), reask_order(NUM_DOCS)])
     metrics = kvferry_metrics(llm)
     close_engine(llm)
-    return {"tokens": [r.tokens for r in results], "loaded": [r.loaded for r in results], "metrics": metrics}
+    return {
+        "tokens": [r.tokens for r in results],
+        "loaded": [r.loaded for r in results],
+        "metrics": metrics,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +48,9 @@ def reference(tiny_model: Path) -> dict[str, Any]:
     return run(tiny_model, None)
 
 
-def test_failed_loads_are_recomputed_and_failed_stores_never_hit(tiny_model: Path, reference: dict[str, Any]) -> None:
+def test_failed_loads_are_recomputed_and_failed_stores_never_hit(
+    tiny_model: Path, reference: dict[str, Any]
+) -> None:
     faulty = run(
         tiny_model,
         {"cpu_bytes_to_use": 64 << 20, "copy_engine": "kvferry.testing:fail_loads_and_stores"},
@@ -57,10 +63,15 @@ def test_failed_loads_are_recomputed_and_failed_stores_never_hit(tiny_model: Pat
     assert m["vllm:kvferry_tokens_loaded"] > 0
 
 
-def test_negative_control_garbled_loads_change_outputs(tiny_model: Path, reference: dict[str, Any]) -> None:
+def test_negative_control_garbled_loads_change_outputs(
+    tiny_model: Path, reference: dict[str, Any]
+) -> None:
     corrupt = run(
         tiny_model,
-        {"cpu_bytes_to_use": 64 << 20, "copy_engine": "kvferry.transfer._testing:corrupt_every_load"},
+        {
+            "cpu_bytes_to_use": 64 << 20,
+            "copy_engine": "kvferry.transfer._testing:corrupt_every_load",
+        },
     )
     assert sum(corrupt["loaded"][1].values()) > 0
     assert corrupt["tokens"][0] == reference["tokens"][0]  # pass 1 loads nothing

@@ -40,7 +40,9 @@ def run(model: Path, traces: dict[str, object] | None, docs: list[list[int]]) ->
     return outs
 
 
-def test_a_request_that_hit_has_one_trace_across_processes(tiny_model: Path, receiver: OTLPReceiver, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_request_that_hit_has_one_trace_across_processes(
+    tiny_model: Path, receiver: OTLPReceiver, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
     [doc] = long_doc_prompts(1, 600, seed=21)
     reference = run(tiny_model, None, [doc])
@@ -48,7 +50,9 @@ def test_a_request_that_hit_has_one_trace_across_processes(tiny_model: Path, rec
     assert outs == reference * 2
 
     def has_copy_of_load(spans: list[ReceivedSpan]) -> bool:
-        return any(s.name == SPAN_COPY and s.attributes.get("kvferry.direction") == "load" for s in spans)
+        return any(
+            s.name == SPAN_COPY and s.attributes.get("kvferry.direction") == "load" for s in spans
+        )
 
     receiver.wait_for(has_copy_of_load, timeout=60)
     traces = receiver.traces()
