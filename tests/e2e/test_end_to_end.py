@@ -115,7 +115,8 @@ def test_bad_config_fails_at_engine_start_naming_the_key(tiny_model: Path, tmp_p
             from vllm import LLM
             from kvferry.testing import engine_args
             if __name__ == "__main__":
-                LLM(**engine_args({str(tiny_model)!r}, kvferry={{"cpu_bytes_to_use": 1 << 24, "blok_size": 256}}))
+                bad = {{"cpu_bytes_to_use": 1 << 24, "blok_size": 256}}
+                LLM(**engine_args({str(tiny_model)!r}, kvferry=bad))
             """
         )
     )
