@@ -25,7 +25,8 @@ job stays in flight until it really ends, and ``PollFinished`` reports it.
 Every job ends, and is reported once by ``PollFinished``: a :class:`JobResult` with
 ``ok=True``, or a :class:`JobFailed` naming the engine blocks it leaves invalid — for a
 rejected job (wrong direction, a job id already in flight), a failed submission, a copy
-error, or a missed deadline. Nothing is asserted.
+error, a missed deadline, or an engine that raised while the job was collected
+(``reason="engine"``). Nothing is asserted.
 
 Deadlines, honestly: a job whose copy can still write is never reported, neither done
 nor failed (a failed load's blocks are recomputed at once; a failed store's slot is
@@ -353,7 +354,16 @@ class TransferActor(Actor[TransferMsg]):
             if error is None:
                 if flight.overdue:
                     self._log.warning("job_completed_late", job_id=job_id, seconds=seconds)
-                nbytes = self.engine.job_bytes(flight.job)
+                try:
+                    nbytes = self.engine.job_bytes(flight.job)
+                except Exception as exc:
+                    # The copy ended but the engine (a user's, through the copy_engine
+                    # hook) cannot account for it: trust none of the job's bytes. It fails
+                    # (a load's blocks are recomputed, a store's slot freed) and the poll
+                    # goes on, so no other ended job is lost and the engine keeps running.
+                    self._log.error("job_accounting_failed", job_id=job_id, exc_info=exc)
+                    self._fail(flight.job, seconds, repr(exc), "engine")
+                    continue
                 self._done += 1
                 self._bytes += nbytes
                 self._ended.append(

@@ -184,6 +184,36 @@ async def test_a_store_ends_only_after_its_event_fires() -> None:
 
 
 @pytest.mark.anyio
+async def test_an_engine_that_raises_while_a_job_is_collected_fails_that_job_only() -> None:
+    class Unaccountable(FakeCopyEngine):
+        def job_bytes(self, job: CopyJob) -> int:
+            if job.job_id == 2:
+                raise RuntimeError("cannot count")
+            return super().job_bytes(job)
+
+    engine = Unaccountable()
+    async with ActorSystem() as system:
+        load = await system.spawn(LoadActor(engine))
+        for i in (1, 2, 3):
+            await load.tell(SubmitJob(job=job(i, "load", blocks=(i,))))
+        await anyio.wait_all_tasks_blocked()
+        for i in (1, 2, 3):
+            engine.event_for(i).fire()
+        results = {r.job_id: r for r in await load.ask(PollFinished)}
+        assert sorted(results) == [1, 2, 3]
+        assert results[1].ok and results[3].ok
+        failed = results[2]
+        assert isinstance(failed, JobFailed) and failed.reason == "engine"
+        assert "cannot count" in failed.error and failed.block_ids == (2,)
+        # The actor did not crash (no restart dropped a message) and goes on.
+        assert load.statistics().restarts == 0
+        await load.tell(SubmitJob(job=job(4, "load")))
+        await anyio.wait_all_tasks_blocked()
+        engine.event_for(4).fire()
+        assert [(r.job_id, r.ok) for r in await load.ask(PollFinished)] == [(4, True)]
+
+
+@pytest.mark.anyio
 async def test_a_failed_submission_is_reported_with_its_blocks() -> None:
     engine = FakeCopyEngine(fail_submit=True)
     async with ActorSystem() as system:
