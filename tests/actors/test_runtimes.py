@@ -256,3 +256,26 @@ def test_the_stepped_runtime_also_steps_through_run_forever() -> None:
         assert runtime.ask(ref, Get) == 3
     finally:
         assert runtime.close().clean
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_the_thread_runtime_wakes_its_loop_without_anyios_private_backend_api(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """anyio 4.11 to 4.15 have no ``run_sync_soon`` on their backend classes (issue 17)."""
+    from anyio._backends import _asyncio, _trio
+
+    for cls in (_asyncio.AsyncIOBackend, _trio.TrioBackend):
+        monkeypatch.delattr(cls, "run_sync_soon", raising=False)
+    runtime = ThreadRuntime(backend=backend)
+    ref = runtime.start(spawn_counter)
+    try:
+        runtime.call(ref.tell, Add(n=2))
+        assert runtime.call(ref.ask, Get) == 2
+        assert runtime.call(_double, 21) == 42
+    finally:
+        assert runtime.close().clean
+
+
+async def _double(n: int) -> int:
+    return 2 * n
