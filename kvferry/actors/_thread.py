@@ -3,8 +3,9 @@
 A sync call puts an item on the inbox and wakes the loop thread with one call of the
 backend's own public thread-safe scheduling (asyncio's ``loop.call_soon_threadsafe``,
 trio's ``TrioToken.run_sync_soon``; :func:`loop_waker`), without the second round trip
-and the task per call of anyio's ``BlockingPortal``; the caller then blocks on a lock. On the loop thread, ``_pump`` takes the items: an ask or a tell goes straight into
-the actor's mailbox, and the actor's answer releases the caller's lock, so that
+and the task per call of anyio's ``BlockingPortal``; the caller then blocks on a lock.
+On the loop thread, ``_pump`` takes the items: an ask or a tell goes straight into the
+actor's mailbox, and the actor's answer releases the caller's lock, so that
 ``call(ref.ask, make)`` costs one hop there and one back. Any other call goes to the
 call server (a task of the actor system), which releases the lock when it returns.
 
