@@ -240,11 +240,12 @@ def test_a_thread_runtime_on_trio_drives_the_same_actor() -> None:
         assert runtime.close().clean
 
 
-def test_the_stepped_runtime_also_steps_through_run_forever() -> None:
-    """Where a loop has no ``_run_once`` to step with, the public ``run_forever`` does."""
+def test_the_stepped_runtime_steps_the_way_the_probe_chose(api_path: str) -> None:
+    """Private: CPython's loop stepped through ``_run_once``; public: ``run_forever``."""
     runtime = SteppedRuntime()
     ref = runtime.start(spawn_counter)
-    runtime._stepper.manual = False  # type: ignore[union-attr]
+    assert runtime._stepper is not None
+    assert runtime._stepper.path == ("run_once" if api_path == "private" else "run_forever")
     try:
         runtime.call(ref.tell, Add(n=3))
         assert runtime.call(ref.ask, Get) == 3
