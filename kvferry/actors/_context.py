@@ -18,7 +18,6 @@ Library code only uses the OpenTelemetry API; the tracer provider is injected.
 
 from __future__ import annotations
 
-import contextvars
 from typing import Any, TypeAlias
 
 import structlog
@@ -104,15 +103,3 @@ class HopScope:
             self._span.end()
         if self._log_tokens is not None:
             structlog.contextvars.reset_contextvars(**self._log_tokens)
-
-
-def _structlog_var(key: str) -> contextvars.ContextVar[Any]:
-    # structlog keeps one ContextVar per key; binding in a throwaway context gives it to
-    # us (Token.var) without touching any real context.
-    tokens = contextvars.Context().run(structlog.contextvars.bind_contextvars, **{key: None})
-    return tokens[key].var
-
-
-MESSAGE_VAR = _structlog_var("message")
-"""structlog's ``message`` variable: set directly per message, a fraction of the cost
-of ``bind_contextvars`` (the hot path of every actor)."""

@@ -169,7 +169,9 @@ def ref_method(fn: Callable[..., Awaitable[Any]]) -> tuple[ActorRef[Any], str] |
     return None
 
 
-def route_ref_call(runtime: Any, fn: Callable[..., Awaitable[Any]], args: tuple[Any, ...]) -> tuple[bool, Any]:
+def route_ref_call(
+    runtime: Any, fn: Callable[..., Awaitable[Any]], args: tuple[Any, ...]
+) -> tuple[bool, Any]:
     """``(True, result)`` when ``fn(*args)`` is ``ref.ask(make)`` / ``ref.tell(msg)``, sent
     the short way through ``runtime.ask`` / ``runtime.tell``; ``(False, None)`` otherwise."""
     routed = ref_method(fn)

@@ -11,8 +11,9 @@ competes with the engine for the GIL, and no call creates a task or runs
 expired timer) is picked up by the next call's iterations.
 
 This is the one module of kvferry that drives asyncio directly: a loop cannot be stepped
-through anyio. It even steps CPython's loops through their private ``_run_once`` (see
-:class:`_Stepper`, which falls back to ``run_forever`` where that is missing).
+through anyio. Where CPython's loop allows, it is stepped through its private
+``_run_once``, a sixth of a call cheaper (:class:`kvferry._private_api.LoopStepper`, which
+probes for it at start and otherwise runs ``run_forever`` until the step's end stops it).
 Everything that runs *inside* the loop (actors, the call server's calls) uses anyio only.
 
 Who owns what: the runtime owns its loop, the host task (which holds the actor system
@@ -23,8 +24,6 @@ a time, and never from inside the loop (a handler cannot ``call`` its own runtim
 from __future__ import annotations
 
 import asyncio
-import sys
-import threading
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -34,6 +33,7 @@ from opentelemetry import trace
 
 from .._errors import ActorCrashed, ActorStopped
 from .._logging import get_logger
+from .._private_api import LoopStepper
 from ._base import ActorRef, MakeAsk, Reply
 from ._runtime import (
     Setup,
@@ -49,63 +49,6 @@ from ._system import ActorSystem, ShutdownReport
 T = TypeVar("T")
 S = TypeVar("S")
 M = TypeVar("M")
-
-
-class _Stepper:
-    """Runs a loop one iteration at a time on the calling thread, until a condition holds.
-
-    On CPython's loops it calls ``_run_once`` itself, inside the running-loop state that
-    ``run_forever`` would set up (running loop, async-generator hooks, thread id): about
-    3 µs a call cheaper than ``run_forever`` + ``stop``, a sixth of a whole call. Other
-    loops are run with ``run_forever``, which :meth:`set` stops after each iteration in
-    which something the caller waits for happened.
-
-    ``set`` makes the stepper a reply's waker: the answer ends the step.
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self._run_once: Callable[[], None] | None = getattr(loop, "_run_once", None)
-        self._hooks = (
-            getattr(loop, "_asyncgen_firstiter_hook", None),
-            getattr(loop, "_asyncgen_finalizer_hook", None),
-        )
-        self.manual = (
-            self._run_once is not None and None not in self._hooks and hasattr(loop, "_thread_id")
-        )
-
-    def set(self) -> None:
-        if not self.manual:
-            self.loop.stop()
-
-    def run_until(
-        self,
-        until: Callable[[], bool],
-        check: Callable[[], None],
-    ) -> None:
-        """Step until ``until()``; ``check()`` runs before each step and may raise."""
-        loop = self.loop
-        if asyncio._get_running_loop() is not None:
-            raise RuntimeError("SteppedRuntime cannot be driven from inside a running loop")
-        if not self.manual:
-            while not until():
-                check()
-                loop.run_forever()
-            return
-        run_once = self._run_once
-        assert run_once is not None
-        old_hooks = sys.get_asyncgen_hooks()
-        asyncio._set_running_loop(loop)
-        sys.set_asyncgen_hooks(*self._hooks)
-        loop._thread_id = threading.get_ident()  # type: ignore[attr-defined]
-        try:
-            while not until():
-                check()
-                run_once()
-        finally:
-            loop._thread_id = None  # type: ignore[attr-defined]
-            asyncio._set_running_loop(None)
-            sys.set_asyncgen_hooks(*old_hooks)
 
 
 class SteppedRuntime:
@@ -124,7 +67,7 @@ class SteppedRuntime:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._host: asyncio.Task[None] | None = None
         self._queue: deque[_Call | _Deliver | None] = deque()
-        self._stepper: _Stepper | None = None
+        self._stepper: LoopStepper | None = None
         self._wakeup: asyncio.Future[None] | None = None
         self._busy = False
         self._report: ShutdownReport | None = None
@@ -144,7 +87,7 @@ class SteppedRuntime:
                 "or `async with ActorSystem()`"
             )
         loop = self._loop = self._runner.get_loop()
-        stepper = self._stepper = _Stepper(loop)
+        stepper = self._stepper = LoopStepper(loop)
         ready = _Call(setup, ())
         host = self._host = loop.create_task(self._host_main(ready), name="kvferry host")
         # Whatever ends the host (done, crashed) must also end the step in progress.

@@ -76,7 +76,7 @@ class ActorSystem:
         )
         self._tg: TaskGroup | None = None
         self._cells: list[_Cell[Any]] = []
-        self._timers: list[Timer] = []
+        self._timers: set[Timer] = set()  # live timers only: each leaves when its task ends
         self._stop_done: anyio.Event | None = None  # exists once stopping began
         self._stopped: anyio.Event | None = None  # set once stopping ended
         self.failures: dict[str, BaseException] = {}
@@ -131,18 +131,20 @@ class ActorSystem:
 
     def send_after(self, delay_s: float, ref: ActorRef[M], msg: M) -> Timer:
         """Tell ``msg`` to ``ref`` after ``delay_s`` seconds of the anyio clock."""
-        timer = Timer(ref, msg, delay_s, periodic=False)
-        self._timers.append(timer)
-        return start_timer(self._check_running(), timer)
+        return self._start_timer(Timer(ref, msg, delay_s, periodic=False))
 
     def send_every(self, interval_s: float, ref: ActorRef[M], msg: M) -> Timer:
         """Tell ``msg`` to ``ref`` every ``interval_s`` seconds (first after one interval).
 
         A tick that finds the mailbox full is dropped and counted (``Timer.dropped``).
         """
-        timer = Timer(ref, msg, interval_s, periodic=True)
-        self._timers.append(timer)
-        return start_timer(self._check_running(), timer)
+        return self._start_timer(Timer(ref, msg, interval_s, periodic=True))
+
+    def _start_timer(self, timer: Timer) -> Timer:
+        tg = self._check_running()
+        self._timers.add(timer)
+        timer.on_end = self._timers.discard
+        return start_timer(tg, timer)
 
     def statistics(self) -> tuple[ActorStatistics, ...]:
         """Every actor's counters, in spawn order."""
@@ -164,7 +166,7 @@ class ActorSystem:
         self._stop_done = anyio.Event()
         timed_out: list[str] = []
         with anyio.CancelScope(shield=True):
-            for timer in self._timers:
+            for timer in list(self._timers):
                 timer.cancel()
             deadline = anyio.current_time() + self._stop_timeout_s
             for cell in reversed(self._cells):

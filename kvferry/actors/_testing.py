@@ -179,9 +179,7 @@ def assert_no_thread_left(
     """
     before = set(threading.enumerate())
     yield
-    new = [
-        t for t in threading.enumerate() if t not in before and t.name not in except_names
-    ]
+    new = [t for t in threading.enumerate() if t not in before and t.name not in except_names]
     for thread in new:
         thread.join(join_timeout_s)
     left = [t.name for t in new if t.is_alive()]

@@ -1,10 +1,11 @@
 """ThreadRuntime: the actors' event loop runs on a dedicated thread.
 
-A sync call puts an item on the inbox and wakes the loop thread with one
-``run_sync_soon`` (anyio's cross-thread primitive, the one ``BlockingPortal`` is built
-on, minus its second round trip and its task per call); the caller then blocks on a
-lock. On the loop thread, ``_pump`` takes the items: an ask or a tell goes straight into
-the actor's mailbox, and the actor's answer releases the caller's lock, so that
+A sync call puts an item on the inbox and wakes the loop thread with one call of the
+backend's own public thread-safe scheduling (asyncio's ``loop.call_soon_threadsafe``,
+trio's ``TrioToken.run_sync_soon``; :func:`loop_waker`), without the second round trip
+and the task per call of anyio's ``BlockingPortal``; the caller then blocks on a lock.
+On the loop thread, ``_pump`` takes the items: an ask or a tell goes straight into the
+actor's mailbox, and the actor's answer releases the caller's lock, so that
 ``call(ref.ask, make)`` costs one hop there and one back. Any other call goes to the
 call server (a task of the actor system), which releases the lock when it returns.
 
@@ -22,7 +23,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import anyio
-import anyio.lowlevel
 import attrs
 from opentelemetry import trace
 
@@ -37,6 +37,51 @@ S = TypeVar("S")
 M = TypeVar("M")
 
 _Item = _Call | _Deliver
+
+Waker = Callable[[Callable[[], object]], None]
+"""Schedules a callback on the loop from any thread; raises :class:`LoopEnded` once the
+loop has ended."""
+
+
+class LoopEnded(Exception):
+    """The loop a :data:`Waker` would wake has ended."""
+
+
+def loop_waker(backend: str) -> Waker:
+    """The current loop's cross-thread wake-up, through the backend's public API.
+
+    Called on the loop's own thread. asyncio: ``loop.call_soon_threadsafe``; trio:
+    ``TrioToken.run_sync_soon``. (anyio's ``from_thread`` adds a task or a context copy
+    per call, which is what this runtime avoids.)
+    """
+    if backend == "asyncio":
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        schedule = loop.call_soon_threadsafe
+
+        def wake_asyncio(fn: Callable[[], object]) -> None:
+            try:
+                schedule(fn)
+            except RuntimeError as exc:  # "Event loop is closed"
+                if loop.is_closed():
+                    raise LoopEnded from exc
+                raise
+
+        return wake_asyncio
+    if backend == "trio":
+        import trio
+
+        run_sync_soon = trio.lowlevel.current_trio_token().run_sync_soon
+
+        def wake_trio(fn: Callable[[], object]) -> None:
+            try:
+                run_sync_soon(fn)
+            except trio.RunFinishedError as exc:
+                raise LoopEnded from exc
+
+        return wake_trio
+    raise ValueError(f"unknown backend {backend!r} (asyncio or trio)")
 
 
 class _LockWaker:
@@ -70,7 +115,7 @@ class ThreadRuntime:
         self._guard = threading.Lock()
         self._closing = False
         self._wake: anyio.Event | None = None
-        self._token: anyio.lowlevel.EventLoopToken | None = None
+        self._waker: Waker | None = None
         self._thread: threading.Thread | None = None
         self._tasks_left: tuple[str, ...] = ()
         self._report: ShutdownReport | None = None
@@ -112,7 +157,7 @@ class ThreadRuntime:
                     item.finish(error=error)
 
     async def _host_main(self, ready: _Call) -> None:
-        self._token = anyio.lowlevel.current_token()
+        self._waker = loop_waker(self._backend)
         before = {t.id for t in anyio.get_running_tasks()}
         try:
             async with ActorSystem(
@@ -173,12 +218,12 @@ class ThreadRuntime:
             if self._closing and item is not None:
                 raise ActorStopped("the thread runtime is closed")
             self._inbox.append(item)
-        token = self._token
-        assert token is not None
+        waker = self._waker
+        assert waker is not None
         try:
-            token.backend_class.run_sync_soon(self._pump, (), token.native_token)
-        except anyio.RunFinishedError:
-            pass  # the loop has ended: _main fails whatever is still queued
+            waker(self._pump)
+        except LoopEnded:
+            pass  # _main fails whatever is still queued
 
     def _check_open(self) -> None:
         if self._thread is None or threading.current_thread() is self._thread:
@@ -245,7 +290,7 @@ class ThreadRuntime:
             raise RuntimeError("ThreadRuntime.close() from its own loop thread")
         with self._guard:
             self._closing = True
-        if self._token is not None:
+        if self._waker is not None:
             self._post(None)
         # The system's own deadline bounds the shutdown; the margin covers loop teardown.
         thread.join(self._stop_timeout_s + 5.0)

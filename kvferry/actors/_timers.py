@@ -10,6 +10,7 @@ task on the same loop. The system cancels every timer first when it stops.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -39,6 +40,8 @@ class Timer:
         self.dropped = 0
         self.active = True
         self._scope = anyio.CancelScope()
+        self.on_end: Callable[[Timer], object] | None = None
+        """Called once when the timer's task ends (the system forgets the timer then)."""
 
     def __repr__(self) -> str:
         kind = "every" if self.periodic else "after"
@@ -61,6 +64,8 @@ class Timer:
             pass  # the receiver is gone: nothing left to time
         finally:
             self.active = False
+            if self.on_end is not None:
+                self.on_end(self)
 
     async def _every(self) -> None:
         interval = self.interval_s

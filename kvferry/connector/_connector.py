@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+import vllm
 from typing_extensions import override
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -31,6 +32,7 @@ from .._config import FerryConfig
 from ._metadata import KVFerryMetadata
 from ._scheduler import SchedulerSide, SchedulerStatistics
 from ._stats import KVFerryPromMetrics, KVFerryStats
+from ._versions import check_vllm_version
 from ._worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -60,16 +62,22 @@ class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):
         role: KVConnectorRole,
         kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
+        check_vllm_version(vllm.__version__)
         super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
         if kv_cache_config is None:
             raise ValueError("KVFerryConnector needs vLLM's kv_cache_config")
-        cfg = FerryConfig.from_dict(self._kv_transfer_config.kv_connector_extra_config)
+        # The base class checked that it is set; this is the object it keeps.
+        transfer_config = vllm_config.kv_transfer_config
+        assert transfer_config is not None
+        cfg = FerryConfig.from_dict(transfer_config.kv_connector_extra_config)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._meta: KVFerryMetadata | None = None  # this step's, bound by the model runner
         if role == KVConnectorRole.SCHEDULER:
             # A failed load is a cache miss: by default vLLM recomputes its blocks. The
-            # scheduler reads this right after building its connector.
-            self._kv_transfer_config.kv_load_failure_policy = cfg.on_load_failure
+            # scheduler reads this (a documented field of KVTransferConfig) right after
+            # building its connector.
+            transfer_config.kv_load_failure_policy = cfg.on_load_failure
             self._scheduler = SchedulerSide(vllm_config, kv_cache_config, cfg)
         else:
             self._worker = WorkerSide(vllm_config, kv_cache_config, cfg)
@@ -80,6 +88,18 @@ class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):
         return False  # a dropped store is only a future miss
 
     # ==============================  worker side  ==============================
+
+    @override
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Called by the model runner before each forward pass: this step's jobs."""
+        super().bind_connector_metadata(connector_metadata)
+        assert isinstance(connector_metadata, KVFerryMetadata)
+        self._meta = connector_metadata
+
+    @override
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        self._meta = None
 
     @override
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -93,10 +113,8 @@ class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):
 
     @override
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        assert self._worker is not None
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, KVFerryMetadata)
-        self._worker.start_load_kv(meta)
+        assert self._worker is not None and self._meta is not None
+        self._worker.start_load_kv(self._meta)
 
     @override
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -110,10 +128,8 @@ class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):
 
     @override
     def wait_for_save(self) -> None:
-        assert self._worker is not None
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, KVFerryMetadata)
-        self._worker.wait_for_save(meta)
+        assert self._worker is not None and self._meta is not None
+        self._worker.wait_for_save(self._meta)
 
     @override
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:

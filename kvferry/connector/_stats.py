@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from prometheus_client import Counter, Gauge
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -57,13 +58,16 @@ class KVFerryPromMetrics(KVConnectorPromMetrics):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        # vLLM's classes for each kind (its own multiprocess-aware ones in the API
+        # server), the same the base class keeps; typed as any of its metric classes.
+        counter_cls: Any = metric_types[Counter]
+        gauge_cls: Any = metric_types[Gauge]
         self._counters = {
             m.full_name: self._per_engine(
-                self._counter_cls(name=m.full_name, documentation=m.help, labelnames=labelnames)
+                counter_cls(name=m.full_name, documentation=m.help, labelnames=labelnames)
             )
             for m in COUNTERS
         }
-        gauge_cls: Any = self._gauge_cls  # vLLM types it as any of its metric classes
         self._gauges = {
             m.full_name: self._per_engine(
                 gauge_cls(

@@ -240,11 +240,12 @@ def test_a_thread_runtime_on_trio_drives_the_same_actor() -> None:
         assert runtime.close().clean
 
 
-def test_the_stepped_runtime_also_steps_through_run_forever() -> None:
-    """Where a loop has no ``_run_once`` to step with, the public ``run_forever`` does."""
+def test_the_stepped_runtime_steps_the_way_the_probe_chose(api_path: str) -> None:
+    """Private: CPython's loop stepped through ``_run_once``; public: ``run_forever``."""
     runtime = SteppedRuntime()
     ref = runtime.start(spawn_counter)
-    runtime._stepper.manual = False  # type: ignore[union-attr]
+    assert runtime._stepper is not None
+    assert runtime._stepper.path == ("run_once" if api_path == "private" else "run_forever")
     try:
         runtime.call(ref.tell, Add(n=3))
         assert runtime.call(ref.ask, Get) == 3
@@ -256,3 +257,26 @@ def test_the_stepped_runtime_also_steps_through_run_forever() -> None:
         assert runtime.ask(ref, Get) == 3
     finally:
         assert runtime.close().clean
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_the_thread_runtime_wakes_its_loop_without_anyios_private_backend_api(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """anyio 4.11 to 4.15 have no ``run_sync_soon`` on their backend classes (issue 17)."""
+    from anyio._backends import _asyncio, _trio
+
+    for cls in (_asyncio.AsyncIOBackend, _trio.TrioBackend):
+        monkeypatch.delattr(cls, "run_sync_soon", raising=False)
+    runtime = ThreadRuntime(backend=backend)
+    ref = runtime.start(spawn_counter)
+    try:
+        runtime.call(ref.tell, Add(n=2))
+        assert runtime.call(ref.ask, Get) == 2
+        assert runtime.call(_double, 21) == 42
+    finally:
+        assert runtime.close().clean
+
+
+async def _double(n: int) -> int:
+    return 2 * n

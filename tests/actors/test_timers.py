@@ -115,3 +115,20 @@ async def test_timers_reject_nonsense() -> None:
             system.send_every(0.0, ref, Tick())
         with pytest.raises(ValueError, match="delay"):
             system.send_after(-1.0, ref, Tick())
+
+
+@pytest.mark.parametrize("anyio_backend", [virtual_time_backend()])
+async def test_the_system_forgets_timers_that_fired_or_were_cancelled() -> None:
+    """A system that sets a timeout per request must not hold every timer it ever made."""
+    async with ActorSystem() as system:
+        ref = await system.spawn(Clocked())
+        for _ in range(100):
+            system.send_after(1.0, ref, Tick())
+        cancelled = [system.send_every(5.0, ref, Tick()) for _ in range(10)]
+        live = system.send_every(5.0, ref, Tick())
+        await anyio.sleep(2.0)
+        for timer in cancelled:
+            timer.cancel()
+        await settle()
+        assert system._timers == {live}
+        assert all(not t.active for t in cancelled) and live.active
