@@ -140,6 +140,9 @@ class Flushed:
     """Waited for on the CPU until they ended (completions without a device fence)."""
     already_ended: tuple[int, ...] = ()
     """Ended before the flush, or not in flight in this actor: nothing to do."""
+    cancelled: tuple[int, ...] = ()
+    """Did not end within the flush's ``timeout_s``: what they had not started was
+    dropped, and the flush waited for the rest (they end failed, reported by a poll)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -148,8 +151,10 @@ class FlushJobs:
     a device fence where the completion has one, else a CPU wait until the job ended.
     The jobs are still reported by a later poll.
 
-    Fails with :class:`TimeoutError` when a CPU wait lasts more than ``timeout_s``
-    (device fences never wait).
+    A job the CPU waited for ``timeout_s`` without its end is cancelled (what it has not
+    started is dropped; it ends failed, so a store is never visible) and waited for once
+    more; fails with :class:`TimeoutError` only when even that does not end within
+    ``timeout_s`` (device fences never wait).
     """
 
     job_ids: tuple[int, ...]
@@ -336,13 +341,33 @@ class TransferActor(Actor[TransferMsg]):
                     fenced.append(job_id)
                     continue
             waited.append(job_id)
+        cancelled: list[int] = []
         if waited:
             # A real wait (a thread in synchronize), so wall time, not self._clock.
-            with anyio.fail_after(timeout_s):
+            with anyio.move_on_after(timeout_s):
                 for job_id in waited:
                     await self.bridge.wait(job_id)
+            # Still running: the engine must not wait on it forever, nor write blocks it
+            # still reads. Drop what it has not started (it ends failed: a store that is
+            # never visible), and wait once more for what had started.
+            for job_id in waited:
+                completion = self.bridge.get(job_id)
+                if completion is None or _has_ended(completion):
+                    continue
+                self._jobs[job_id].overdue = True
+                if isinstance(completion, Cancellable):
+                    completion.cancel()
+                cancelled.append(job_id)
+                self._log.warning("flush_cancelled_job", job_id=job_id, timeout_s=timeout_s)
+            if cancelled:
+                with anyio.fail_after(timeout_s):
+                    for job_id in cancelled:
+                        await self.bridge.wait(job_id)
         return Flushed(
-            device_fenced=tuple(fenced), cpu_waited=tuple(waited), already_ended=tuple(ended)
+            device_fenced=tuple(fenced),
+            cpu_waited=tuple(j for j in waited if j not in cancelled),
+            already_ended=tuple(ended),
+            cancelled=tuple(cancelled),
         )
 
     def _collect(self) -> None:

@@ -320,6 +320,20 @@ async def test_flush_fails_with_a_timeout_when_a_job_does_not_end() -> None:
         engine.completions[1].fire()
 
 
+@pytest.mark.anyio
+async def test_a_flush_cancels_a_job_that_outlives_its_timeout_and_the_job_ends_failed() -> None:
+    engine = ManualCopyEngine(cancel_ends=True)
+    async with ActorSystem() as system:
+        store = await system.spawn(StoreActor(engine))
+        await store.tell(SubmitJob(job=job(1)))
+        flushed = await store.ask(lambda r: FlushJobs(job_ids=(1,), timeout_s=0.0, reply=r))
+        assert flushed == Flushed(cancelled=(1,))
+        assert engine.completions[1].cancelled
+        [result] = await store.ask(PollFinished)
+        assert isinstance(result, JobFailed) and result.job_id == 1
+        assert result.reason == "deadline"
+
+
 def _small_kv() -> tuple[dict[str, torch.Tensor], HostPool, KVLayout]:
     kv = {"l0": torch.arange(4 * 64, dtype=torch.float32).reshape(4, 64)}
     layout = describe_kv_caches(kv, [["l0"]], 4)
