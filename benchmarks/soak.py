@@ -31,8 +31,8 @@ connector-less engine: under preemption, vLLM 0.32 schedules differently as soon
 KV connector is configured, and its greedy output then differs from a connector-less
 engine's at near-ties (tests/e2e/test_connector.py shows it on a plain workload, with a
 connector whose methods do nothing). ``--baseline plain`` uses a connector-less engine
-anyway. Both engines compute in float32, so that batch composition (which the loads,
-aborts and faults change) moves no near-tie.
+anyway (``none`` compares nothing). Both engines compute in float32, so that batch
+composition (which the loads, aborts and faults change) moves no near-tie.
 
 Prints a table and, last, one JSON object.
 """
@@ -48,7 +48,6 @@ import signal
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -199,43 +198,37 @@ def bounded(seconds: float) -> Iterator[None]:
         signal.signal(signal.SIGALRM, old)
 
 
-class RssSampler(threading.Thread):
-    """RSS of this process's descendants (vLLM's engine core and workers), summed, every
-    ``interval`` seconds: (seconds since start, bytes)."""
+def children_rss() -> int:
+    """RSS of this process's descendants (vLLM's engine core and workers), summed, bytes."""
+    import psutil
 
-    def __init__(self, interval: float = 2.0) -> None:
-        super().__init__(name="rss-sampler", daemon=True)
-        self.interval = interval
-        self.samples: list[tuple[float, int]] = []
-        self._halt = threading.Event()
-        self._t0 = time.monotonic()
+    total = 0
+    for child in psutil.Process().children(recursive=True):
+        try:
+            total += child.memory_info().rss
+        except psutil.Error:  # ended meanwhile
+            pass
+    return total
 
-    def run(self) -> None:
-        import psutil
 
-        me = psutil.Process()
-        while not self._halt.wait(self.interval):
-            total = 0
-            for child in me.children(recursive=True):
-                try:
-                    total += child.memory_info().rss
-                except psutil.Error:
-                    pass
-            if total:
-                self.samples.append((time.monotonic() - self._t0, total))
+@attrs.define
+class RssByWave:
+    """The RSS of vLLM's processes after each wave (the same waves on both engines, so the
+    soak's growth can be set against vLLM's own on the same requests)."""
 
-    def stop(self) -> None:
-        self._halt.set()
-        self.join()
+    samples: list[int] = attrs.Factory(list)
+
+    def sample(self) -> None:
+        self.samples.append(children_rss())
 
     def series_mib(self, points: int = 12) -> list[list[float]]:
-        """About ``points`` samples spread over the run: [seconds, MiB]."""
+        """About ``points`` samples spread over the run: [wave, MiB]."""
         step = max(1, len(self.samples) // points)
-        return [[round(t), round(rss / 2**20, 1)] for t, rss in self.samples[::step]]
+        return [[w, round(r / 2**20, 1)] for w, r in list(enumerate(self.samples))[::step]]
 
-    def growth_mib(self, skip_s: float) -> tuple[float, float, float]:
-        """(first-half median, second-half median, growth), MiB, samples after ``skip_s``."""
-        kept = [rss for t, rss in self.samples if t >= skip_s] or [r for _, r in self.samples]
+    def growth_mib(self, upto: int | None = None) -> tuple[float, float, float]:
+        """(first-half median, second-half median, growth) in MiB over waves [0, upto)."""
+        kept = self.samples[:upto]
         if len(kept) < 2:
             return 0.0, 0.0, 0.0
         half = len(kept) // 2
@@ -416,12 +409,11 @@ def run_soak(
         stalled: str | None = None
         engine_error: str | None = None
         gauge_samples: list[tuple[float, float]] = []
-        rss = RssSampler()
+        rss = RssByWave()
         t_start = time.monotonic()
         llm = start_engine(model, ferry_cfg, engine_blocks)
         eng = Engine(name="kvferry", llm=llm, off=False, stall_s=stall_s)
         startup_s = time.monotonic() - t_start
-        rss.start()
         t0 = time.monotonic()
         end = t0 + minutes * 60
         try:
@@ -443,6 +435,7 @@ def run_soak(
                         outcomes[q.rid] = res[q.rid]
                         if res[q.rid].finished:
                             mix.answered(q, res[q.rid].tokens)
+                rss.sample()
                 m = kvferry_metrics(llm)
                 gauge_samples.append(
                     (
@@ -469,7 +462,6 @@ def run_soak(
             metrics = kvferry_metrics(llm)
             preemptions = metric(llm, "vllm:num_preemptions")
         finally:
-            rss.stop()
             try:
                 close_engine(llm)
             except Exception as exc:  # a dead engine
@@ -477,23 +469,28 @@ def run_soak(
         faults = read_fault_log(fault_log)
 
         # -- the baseline ----------------------------------------------------------------
-        if baseline == "off":
-            base_cfg: dict[str, Any] | None = {
-                "cpu_bytes_to_use": host_blocks * bb,
-                "traces": {"enabled": False},
-            }
-        else:
-            base_cfg = None
-        base_llm = start_engine(model, base_cfg, engine_blocks)
-        base = Engine(
-            name=f"baseline ({baseline})", llm=base_llm, off=base_cfg is not None, stall_s=stall_s
-        )
         reference: dict[str, Outcome] = {}
-        try:
-            for wave in mix.waves:
-                reference.update(base.run_wave(wave))
-        finally:
-            close_engine(base_llm)
+        base_rss = RssByWave()
+        base_s = 0.0
+        if baseline != "none":
+            base_cfg: dict[str, Any] | None = None
+            if baseline == "off":
+                base_cfg = {"cpu_bytes_to_use": host_blocks * bb, "traces": {"enabled": False}}
+            base_llm = start_engine(model, base_cfg, engine_blocks)
+            base = Engine(
+                name=f"baseline ({baseline})",
+                llm=base_llm,
+                off=base_cfg is not None,
+                stall_s=stall_s,
+            )
+            t_base = time.monotonic()
+            try:
+                for wave in mix.waves:
+                    reference.update(base.run_wave(wave))
+                    base_rss.sample()
+            finally:
+                base_s = time.monotonic() - t_base
+                close_engine(base_llm)
     finally:
         if tmp is not None:
             tmp.cleanup()
@@ -549,8 +546,13 @@ def run_soak(
         and stores_failed == len(injected_stores)
     )
     host_ok = all(used <= cap for used, cap in gauge_samples) and bool(gauge_samples)
-    rss_a, rss_b, rss_growth = rss.growth_mib(skip_s=min(60.0, traffic_s / 5))
-    rss_ok = rss_growth <= max(32.0, 0.05 * rss_a)
+    rss_a, rss_b, rss_growth = rss.growth_mib()
+    # vLLM's processes grow on their own (the baseline too, kvferry moving nothing); what
+    # must not grow is what kvferry adds: the soak's growth beyond the baseline's, on the
+    # same waves.
+    base_growth = base_rss.growth_mib(len(rss.samples))[2] if base_rss.samples else 0.0
+    rss_excess = rss_growth - base_growth
+    rss_ok = rss_excess <= max(32.0, 0.05 * rss_a)
 
     figures = {
         "requests": len(outcomes),
@@ -562,13 +564,17 @@ def run_soak(
         "hangs_ended": {
             h: sum(v == h for v in hangs_ended.values()) for h in ("cancelled", "timer")
         },
-        "wrong_outputs": len(wrong),
+        "wrong_outputs": len(wrong) if baseline != "none" else None,
         "hung": len(hung),
         "stalled": stalled,
         "engine_error": engine_error,
         "rss_growth_mib": round(rss_growth, 1),
         "rss_mib": [round(rss_a, 1), round(rss_b, 1)],
+        "rss_excess_mib": round(rss_excess, 1),
         "rss_series_mib": rss.series_mib(),
+        "baseline_rss_growth_mib": round(base_growth, 1),
+        "baseline_rss_series_mib": base_rss.series_mib(),
+        "baseline_s": round(base_s, 1),
         "failures_counted_vs_injected": round(ratio, 4),
         "loads_failed": [loads_failed, len(injected_loads)],
         "stores_failed": [stores_failed, len(injected_stores)],
@@ -611,7 +617,13 @@ def main() -> None:
     parser.add_argument(
         "--fault-scale", type=float, default=1.0, help="multiply every fault rate by this"
     )
-    parser.add_argument("--baseline", choices=["off", "plain"], default="off")
+    parser.add_argument(
+        "--baseline",
+        choices=["off", "plain", "none"],
+        default="off",
+        help="off: kvferry configured and turned off by every request; plain: no connector; "
+        "none: no output comparison",
+    )
     parser.add_argument("--host-blocks", type=int, default=40)
     parser.add_argument("--request-bound-s", type=float, default=300.0)
     parser.add_argument("--stall-s", type=float, default=180.0)
@@ -651,7 +663,8 @@ def main() -> None:
         ),
         (
             "RSS first / second half (MiB)",
-            f"{f['rss_mib'][0]} / {f['rss_mib'][1]} (growth {f['rss_growth_mib']})",
+            f"{f['rss_mib'][0]} / {f['rss_mib'][1]} (growth {f['rss_growth_mib']}; "
+            f"baseline's {f['baseline_rss_growth_mib']}; excess {f['rss_excess_mib']})",
         ),
         ("preemptions, resets (ok/asked)", f"{f['preemptions']:.0f}, {f['resets']}"),
         ("slowest request", f"{f['max_request_s']} s"),
