@@ -627,6 +627,11 @@ def main() -> None:
     parser.add_argument("--host-blocks", type=int, default=40)
     parser.add_argument("--request-bound-s", type=float, default=300.0)
     parser.add_argument("--stall-s", type=float, default=180.0)
+    parser.add_argument(
+        "--workdir",
+        default=None,
+        help="keep the model and the fault log (faults.jsonl) here (default: a temporary one)",
+    )
     args = parser.parse_args()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     logging.getLogger("vllm").setLevel(logging.WARNING)
@@ -640,6 +645,7 @@ def main() -> None:
         host_blocks=args.host_blocks,
         request_bound_s=args.request_bound_s,
         stall_s=args.stall_s,
+        workdir=args.workdir,
         log=lambda s: print(s, flush=True),
     )
     rows = [

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from random import Random
 from types import ModuleType
 from typing import Any
 
@@ -52,6 +53,46 @@ def test_the_mix_is_seeded(soak_module: ModuleType) -> None:
 
     assert waves(3) == waves(3)
     assert waves(3) != waves(4)
+
+
+def test_the_fault_points_are_seeded(soak_module: ModuleType, tmp_path: Path) -> None:
+    from kvferry.testing import FaultPlan
+
+    plan = FaultPlan(seed=7, rates=soak_module.DEFAULT_RATES, log=str(tmp_path / "log"))
+    draws = [[plan.draw(rng) for _ in range(20_000)] for rng in (Random(7), Random(7))]
+    assert draws[0] == draws[1]
+    for kind, rate in soak_module.DEFAULT_RATES.items():
+        assert abs(draws[0].count(kind) / 20_000 - rate) < 0.25 * rate
+
+
+def test_a_hang_ends_failed_when_cancelled_and_is_logged(tmp_path: Path) -> None:
+    from kvferry.testing import FaultPlan, ManualCopyEngine, SoakFaultEngine, read_fault_log
+    from kvferry.transfer import CopyJob, GroupBlocks, JobCancelled
+
+    garbled: list[int] = []
+
+    class Garbler:
+        def _garble(self, job: CopyJob) -> None:
+            garbled.append(job.job_id)
+
+    log = tmp_path / "faults.jsonl"
+    plan = FaultPlan(seed=0, rates={"hang": 1.0}, log=str(log), hang_s=60.0)
+    inner = ManualCopyEngine()
+    engine = SoakFaultEngine(inner=inner, layout=None, pool=None, plan=plan)  # type: ignore[arg-type]
+    engine._garbler = Garbler()  # type: ignore[assignment]
+    part = GroupBlocks(group=0, device_blocks=[1], host_rows=[2])
+    completion = engine.submit(CopyJob(job_id=9, direction="store", parts=(part,)))
+    inner.completions[9].fire()
+    assert not completion.query()  # the copy ended, the hang holds it
+    completion.cancel()  # type: ignore[attr-defined]
+    assert completion.query()
+    assert isinstance(completion.exception(), JobCancelled)
+    assert garbled == [9]
+    entries = read_fault_log(log)
+    assert [(e["event"], e.get("kind"), e.get("how")) for e in entries] == [
+        ("injected", "hang", None),
+        ("hang_ended", None, "cancelled"),
+    ]
 
 
 def test_the_soak_exercised_the_mix(soak: dict[str, Any]) -> None:
