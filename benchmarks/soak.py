@@ -523,6 +523,12 @@ def run_soak(
         if o.ended_s is None or (o.ended_s - o.added_s) > request_bound_s:
             if rid not in hung:
                 hung.append(rid)
+    # A request that turned loading off must not have loaded anything.
+    switch_violations = [
+        rid
+        for rid, o in outcomes.items()
+        if o.loaded and ((reqs[rid].params or {}).get("kvferry") or {}).get("load") is False
+    ]
     latencies = [o.ended_s - o.added_s for o in outcomes.values() if o.ended_s is not None]
 
     injected = [f for f in faults if f["event"] == "injected"]
@@ -587,6 +593,7 @@ def run_soak(
             "failed_load_tokens": failed_load_tokens,
         },
         "host_within_bounds": host_ok,
+        "switch_violations": len(switch_violations),
         "host_blocks_max": max((u for u, _ in gauge_samples), default=0),
         "host_blocks_capacity": gauge_samples[-1][1] if gauge_samples else 0,
         "evictions": metrics.get("vllm:kvferry_evictions", 0.0),
@@ -689,6 +696,7 @@ def main() -> None:
         and f["metrics_add_up"]
         and f["host_within_bounds"]
         and f["rss_ok"]
+        and f["switch_violations"] == 0
     )
     sys.exit(0 if ok else 1)
 

@@ -126,6 +126,10 @@ def test_loaded_plus_recomputed_equals_hit(soak: dict[str, Any]) -> None:
     assert t["hit"] == t["loaded"] + t["failed_load_tokens"]
 
 
+def test_requests_that_turned_loading_off_loaded_nothing(soak: dict[str, Any]) -> None:
+    assert soak["switch_violations"] == 0
+
+
 def test_host_tier_stays_within_capacity(soak: dict[str, Any]) -> None:
     assert soak["host_within_bounds"]
     assert 0 < soak["host_blocks_max"] <= soak["host_blocks_capacity"]
