@@ -274,3 +274,9 @@ def run_long_doc_passes(
             )
         )
     return results
+
+from ._faults import FAULT_KINDS as FAULT_KINDS  # noqa: E402
+from ._faults import FaultPlan as FaultPlan  # noqa: E402
+from ._faults import SoakFaultEngine as SoakFaultEngine  # noqa: E402
+from ._faults import read_fault_log as read_fault_log  # noqa: E402
+from ._faults import soak_copy_engine as soak_copy_engine  # noqa: E402
