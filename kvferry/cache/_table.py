@@ -71,12 +71,13 @@ def tags_of(keys: Sequence[bytes]) -> I64:
 class TagTable:
     """Nonzero int64 tag → int32 value, for up to ``capacity`` live entries.
 
-    The table never grows: inserting beyond ``capacity`` is a caller bug (asserted).
+    The table never grows: inserting beyond ``capacity`` is a caller bug (``OverflowError``).
     Duplicate tags are allowed; :meth:`find` returns one of them.
     """
 
     def __init__(self, capacity: int, *, max_load: float = 0.5) -> None:
-        assert capacity > 0 and 0 < max_load <= 1
+        if capacity <= 0 or not 0 < max_load <= 1:
+            raise ValueError(f"need capacity > 0 and 0 < max_load <= 1: {capacity}, {max_load}")
         # Any bucket count (a modulo, not a mask): no power-of-two rounding of the memory.
         nb = max(1, -(-int(capacity / max_load) // WIDTH))
         self.capacity = capacity
@@ -131,22 +132,28 @@ class TagTable:
         """Insert each (tag, value); returns their flat positions. Tags must be nonzero."""
         vals = np.asarray(values, np.int32)
         n = len(tags)
-        assert self.size + n <= self.capacity, "TagTable over capacity"
-        pos = np.empty(n, np.int64)
+        if self.size + n > self.capacity:
+            raise OverflowError(f"TagTable of {self.capacity} entries: {self.size} + {n}")
         bucket = self.home(tags)
+        pos = np.empty(n, np.int64)
         todo = np.arange(n)
         while len(todo):
-            # The i-th tag (in this round) of a bucket takes the bucket's i-th free cell;
-            # those that find none spill to the next bucket, counted in its ``_over``.
-            order = np.argsort(bucket[todo], kind="stable")
-            todo = todo[order]
             b = bucket[todo]
-            new_run = np.empty(len(b), bool)
-            new_run[0] = True
-            np.not_equal(b[1:], b[:-1], out=new_run[1:])
-            run_start = np.maximum.accumulate(np.where(new_run, np.arange(len(b)), 0))
-            rank = np.minimum(np.arange(len(b)) - run_start, WIDTH)
-            fits, col = _nth_set(self._tags[b] == 0, rank)
+            ordered = np.sort(b)
+            if len(b) < 2 or (ordered[1:] != ordered[:-1]).all():
+                # Distinct buckets (the common case of a small batch): each its first free cell.
+                fits, col = _first_set(self._tags[b] == 0)
+            else:
+                # The i-th tag (in this round) of a bucket takes the bucket's i-th free cell;
+                # those that find none spill to the next bucket, counted in its ``_over``.
+                order = np.argsort(b, kind="stable")
+                todo, b = todo[order], b[order]
+                new_run = np.empty(len(b), bool)
+                new_run[0] = True
+                np.not_equal(b[1:], b[:-1], out=new_run[1:])
+                run_start = np.maximum.accumulate(np.where(new_run, np.arange(len(b)), 0))
+                rank = np.minimum(np.arange(len(b)) - run_start, WIDTH)
+                fits, col = _nth_set(self._tags[b] == 0, rank)
             s, bf, col = todo[fits], b[fits], col[fits]
             self._tags[bf, col] = tags[s]
             self._vals[bf, col] = vals[s]
@@ -164,7 +171,8 @@ class TagTable:
             return
         flat_tags = self._tags.reshape(-1)
         tags = flat_tags[pos]
-        assert (tags != 0).all(), "TagTable.remove_at of an empty entry"
+        if not (tags != 0).all():
+            raise KeyError("TagTable.remove_at of an empty entry")
         home = self.home(tags)
         bucket = pos // WIDTH
         # An entry stored past its home bucket counted itself in every bucket it skipped.
@@ -198,7 +206,8 @@ class FingerprintQueue:
     """
 
     def __init__(self, capacity: int, *, payload: bool = False, initial: int = 1024) -> None:
-        assert capacity > 0
+        if capacity <= 0:
+            raise ValueError(f"capacity must be > 0, got {capacity}")
         self.capacity = capacity
         self._has_payload = payload
         self.size = 0  # live members
@@ -221,7 +230,8 @@ class FingerprintQueue:
         return self._table.values_at(self._table.find(tags))
 
     def payload(self, ring_idx: I64) -> npt.NDArray[np.int32]:
-        assert self._has_payload
+        if not self._has_payload:
+            raise TypeError("this FingerprintQueue keeps no payload")
         return self._payload[ring_idx]
 
     def discard(self, tags: I64) -> npt.NDArray[np.bool_]:
