@@ -9,7 +9,8 @@ overflowed, and a removal gives the counts back; no tombstones, no rehash. All o
 take and return arrays, one numpy pass per probe round (almost always one round).
 
 :class:`FingerprintQueue` is a bounded FIFO set of tags with an optional int32 payload,
-on a ring plus a :class:`TagTable`, its memory following its size: the ghost lists (ARC,
+on a ring plus a :class:`TagTable` (and each entry's position in the table, so that the
+old end leaves without a search), its memory following its size: the ghost lists (ARC,
 S3-FIFO) and the admission counter use it. (``benchmarks/bookkeeping.py`` also measures a
 :class:`TagTable` as the directory's key index, against the dict the directory uses.)
 
@@ -217,6 +218,7 @@ class FingerprintQueue:
         self._room = room
         self._ring_size = room + max(room // 8, 16)
         self._ring = np.zeros(self._ring_size, np.int64)  # tag, 0 for a hole
+        self._where = np.zeros(self._ring_size, np.int64)  # its position in the table
         self._payload = np.zeros(self._ring_size if self._has_payload else 0, np.int32)
         self._table = TagTable(room + 1, max_load=0.6)
         self._head = 0  # ring index of the oldest entry
@@ -252,9 +254,12 @@ class FingerprintQueue:
         n = len(tags)
         if n == 0:
             return
-        payload = np.broadcast_to(np.asarray(payload, np.int32), (n,))
+        if self._has_payload:
+            payload = np.broadcast_to(np.asarray(payload, np.int32), (n,))
         if n > self.capacity:  # only the youngest can stay
-            tags, payload, n = tags[-self.capacity :], payload[-self.capacity :], self.capacity
+            tags, n = tags[-self.capacity :], self.capacity
+            if self._has_payload:
+                payload = np.asarray(payload)[-self.capacity :]
         self.trim(self.capacity - n)
         if self.size + n > self._room:
             self._compact(min(self.capacity, max(2 * self._room, self.size + n)))
@@ -264,7 +269,7 @@ class FingerprintQueue:
         self._ring[idx] = tags
         if self._has_payload:
             self._payload[idx] = payload
-        self._table.insert(tags, idx)
+        self._where[idx] = self._table.insert(tags, idx)
         self._len += n
         self.size += n
 
@@ -281,7 +286,7 @@ class FingerprintQueue:
                 cut = int(np.flatnonzero(live)[excess - 1]) + 1
             drop = idx[:cut][live[:cut]]
             if len(drop):
-                self._table.remove_at(self._table.find(self._ring[drop]))
+                self._table.remove_at(self._where[drop])  # no search: positions kept
                 self._ring[drop] = 0
                 self.size -= len(drop)
             self._head = (self._head + cut) % self._ring_size
@@ -299,7 +304,7 @@ class FingerprintQueue:
             self._ring[:n] = tags
             if payload is not None:
                 self._payload[:n] = payload
-            self._table.insert(tags, np.arange(n))
+            self._where[:n] = self._table.insert(tags, np.arange(n))
         self._len = self.size = n
 
     def clear(self) -> None:
@@ -308,4 +313,4 @@ class FingerprintQueue:
 
     @property
     def nbytes(self) -> int:
-        return self._ring.nbytes + self._payload.nbytes + self._table.nbytes
+        return self._ring.nbytes + self._where.nbytes + self._payload.nbytes + self._table.nbytes
