@@ -10,8 +10,9 @@ completes or their last load ends. The invariants the tests hold (DESIGN §4):
 5. at most ``num_slots`` keys are held, whatever happens.
 
 Per-slot state lives in numpy arrays; the key → slot map is one ``dict`` of the caller's
-key objects (``benchmarks/bookkeeping.py`` measures it against a compact numpy table: the
-dict is 2-3x faster for a request's tens of keys, the table half the memory). Which block
+key objects (``benchmarks/bookkeeping.py`` measures it against a compact numpy table at 1M
+keys of 36 bytes: the dict resolves a request's ~35 keys in 7 µs against 30 µs, and holds
+143 bytes a key against 61). Which block
 to evict is the policy's choice (:mod:`~kvferry.cache._policy`); how many, and when, is
 this class's: above the high watermark it asks the policy for enough victims to come down
 to the low one, in one batch.

@@ -8,7 +8,11 @@ tag goes to G. Evicting from M: a block with reuses left loses one and goes roun
 and never disturb M, which is what makes it scan-resistant.
 
 Placement (S or M) is decided at the next eviction, not at store time: it only matters
-then, and the ghost lookup is one batch instead of one per store.
+then, and the ghost lookup is one batch instead of one per store. An eviction reads the
+queues from their old ends: O(evicted), plus the pinned and second-chance blocks it meets
+there (they go round again); a queue that showed only pinned blocks since it last gave
+anything is passed over for the rest of the call, so S's pinned blocks never keep M's
+evictable ones in.
 
 Who owns what: owned by one directory; see :mod:`kvferry.cache._policy`.
 """
