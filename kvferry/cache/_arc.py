@@ -10,6 +10,8 @@ end while ``|T1| >= p``, else T2's; each ghost list is bounded by the capacity.
 Differences from vLLM's, by design: store misses are learnt from in a batch at the next
 eviction (same order, same adaptation, just later — ``p`` only matters when evicting), and
 a block still being stored is not counted in T1 (vLLM's T1 holds pending stores too).
+Admissions, reuses and touches are recorded and replayed in one pass before a decision
+(:mod:`~kvferry.cache._recency`).
 
 Who owns what: owned by one directory; see :mod:`kvferry.cache._policy`.
 """
@@ -18,89 +20,67 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._policy import I64, Mask, Recency
+from ._policy import I64
+from ._recency import Evictable, RecencyLists
 from ._table import FingerprintQueue
 
-_NONE, _T1, _T2 = 0, 1, 2
+_T1, _T2 = 1, 2
+_EMPTY = np.zeros(0, np.int64)
 
 
 class ARCPolicy:
-    """Adaptive replacement between recency (T1) and frequency (T2)."""
+    """Adaptive replacement between recency (T1) and frequency (T2).
+
+    T1 and T2 are two lists of one :class:`~kvferry.cache._recency.RecencyLists`: a
+    victim is read from a list's old end, so an eviction costs O(evicted) (plus pinned
+    blocks met there), and a ghost list costs O(1) per key pushed or found.
+    """
 
     name = "arc"
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._list = np.zeros(capacity, np.int8)
-        self._recency = Recency(capacity)
-        self._n1 = 0
-        self._n2 = 0
+        self._lists = RecencyLists(capacity, 2)
         self.p = 0.0
         """Target size of T1."""
         self._b1 = FingerprintQueue(capacity)
         self._b2 = FingerprintQueue(capacity)
-        # The hot path logs; _apply() replays the log in bulk before a decision.
-        self._admitted: list[I64] = []
-        self._reused: list[I64] = []
         self._misses: list[I64] = []
-        self._logged = 0
-        self._c = {"ghost_hits_b1": 0, "ghost_hits_b2": 0, "promotions": 0}
+        self._missed = 0
+        self._c = {"ghost_hits_b1": 0, "ghost_hits_b2": 0}
 
     def admit(self, slots: I64, tags: I64) -> None:
-        self._admitted.append(slots)
-        self._recency.stamp(slots)
-        self._log(len(slots))
+        self._lists.enter(slots, _T1)
 
     def reuse(self, slots: I64) -> None:
-        self._reused.append(slots)
-        self._recency.stamp(slots)
-        self._log(len(slots))
+        self._lists.promote(slots, _T2)
 
     def touch(self, slots: I64) -> None:
-        self._recency.stamp(slots)
-
-    def _log(self, n: int) -> None:
-        self._logged += n
-        if self._logged > Recency.max_log:  # bound the log while nothing is evicted
-            self._apply()
-
-    def _apply(self) -> None:
-        """Replay the log: admissions first, then reuses — for one key, its admission
-        always came before its reuses, and a reused slot is never reassigned before the
-        next eviction (or clear, which applies the log first)."""
-        if self._admitted:
-            self._list[np.concatenate(self._admitted)] = _T1
-        if self._admitted or self._reused:
-            self._n1 = int(np.count_nonzero(self._list == _T1))
-        if self._reused:
-            slots = np.concatenate(self._reused)
-            self._list[slots[self._list[slots] != _NONE]] = _T2
-            n1 = int(np.count_nonzero(self._list == _T1))
-            self._c["promotions"] += self._n1 - n1
-            self._n1 = n1
-        if self._admitted or self._reused:
-            self._n2 = int(np.count_nonzero(self._list == _T2))
-        self._admitted, self._reused, self._logged = [], [], 0
-        self._learn()
+        self._lists.refresh(slots)
 
     def store_miss(self, tags: I64) -> None:
         self._misses.append(tags)
-        self._log(len(tags))
+        self._missed += len(tags)
+        if self._missed > RecencyLists.max_pending:  # bound the log while nothing is evicted
+            self._learn()
 
     def _learn(self) -> None:
         """Adapt ``p`` to the store misses found in a ghost, in the order they came."""
         if not self._misses:
             return
         tags = np.concatenate(self._misses)
-        self._misses = []
-        in1 = self._b1.find(tags) >= 0
-        in2 = self._b2.find(tags) >= 0
+        self._misses, self._missed = [], 0
+        b1, b2, p = len(self._b1), len(self._b2), self.p
+        if not (b1 or b2):
+            return
+        # A hit leaves its ghost list (the key is being stored again).
+        in1 = self._b1.discard(tags)
+        in2 = self._b2.discard(tags) & ~in1
         hits = np.flatnonzero(in1 | in2)
         if not len(hits):
             return
-        b1, b2, p = len(self._b1), len(self._b2), self.p
         for is_b1 in in1[hits].tolist():
-            # A hit leaves its ghost list (the key is being stored again): sizes shrink.
+            # The ghost lists shrink hit by hit, in the order the misses came.
             if is_b1 and b1:
                 p = min(p + max(1.0, b2 / b1), float(self.capacity))
                 b1 -= 1
@@ -109,55 +89,41 @@ class ARCPolicy:
                 b2 -= 1
         self.p = p
         self._c["ghost_hits_b1"] += int(in1.sum())
-        self._c["ghost_hits_b2"] += int((in2 & ~in1).sum())
-        self._b1.discard(tags[in1])
-        self._b2.discard(tags[in2])
+        self._c["ghost_hits_b2"] += int(in2.sum())
 
-    def victims(self, n: int, evictable: Mask, tags: I64) -> I64:
-        self._apply()
-        cand = np.flatnonzero(evictable)
-        lists = self._list[cand]
-        c1, c2 = cand[lists == _T1], cand[lists == _T2]
+    def victims(self, n: int, evictable: Evictable, tags: I64) -> I64:
+        self._learn()
+        lists = self._lists
+        n1 = lists.size(_T1)
         target = int(self.p)
         # vLLM's rule, batched: take from T1 while its (virtual) size is >= p, then from
         # T2, and fall back to T1 when T2 runs out.
-        want1 = min(n, self._n1 - target + 1) if self._n1 >= target else 0
-        take1 = min(want1, len(c1))
-        take2 = min(n - take1, len(c2))
-        take1 += min(n - take1 - take2, len(c1) - take1)
-        v1 = self._recency.oldest(take1, c1)
-        v2 = self._recency.oldest(take2, c2)
+        want1 = min(n, n1 - target + 1) if n1 >= target else 0
+        v1 = lists.pop(_T1, want1, evictable) if want1 > 0 else _EMPTY
+        v2 = lists.pop(_T2, n - len(v1), evictable) if n > len(v1) else _EMPTY
+        if len(v1) + len(v2) < n:
+            v1 = np.concatenate([v1, lists.pop(_T1, n - len(v1) - len(v2), evictable)])
         self._b1.push(tags[v1])
         self._b2.push(tags[v2])
-        self._list[v1] = _NONE
-        self._list[v2] = _NONE
-        self._n1 -= len(v1)
-        self._n2 -= len(v2)
         return np.concatenate([v1, v2])
 
     def forget(self, slots: I64) -> None:
-        self._apply()
-        lists = self._list[slots]
-        self._n1 -= int(np.count_nonzero(lists == _T1))
-        self._n2 -= int(np.count_nonzero(lists == _T2))
-        self._list[slots] = _NONE
+        self._lists.remove(slots)
 
     def clear(self) -> None:
-        self._list.fill(_NONE)
-        self._n1 = self._n2 = 0
+        self._lists.clear()
         self.p = 0.0
         self._b1.clear()
         self._b2.clear()
-        self._admitted, self._reused, self._misses, self._logged = [], [], [], 0
-        self._recency = Recency(self.capacity)
+        self._misses, self._missed = [], 0
 
     def statistics(self) -> dict[str, float]:
-        self._apply()
         return {
             "target_t1": self.p,
-            "t1": self._n1,
-            "t2": self._n2,
+            "t1": self._lists.size(_T1),
+            "t2": self._lists.size(_T2),
             "b1": len(self._b1),
             "b2": len(self._b2),
+            "promotions": self._lists.promoted,
             **self._c,
         }

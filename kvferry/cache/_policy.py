@@ -9,7 +9,11 @@ int64 arrays, one call per batch — never one call per block.
 The hot path (:meth:`EvictionPolicy.admit`, :meth:`~EvictionPolicy.reuse`,
 :meth:`~EvictionPolicy.touch`, :meth:`~EvictionPolicy.store_miss`) only records, in O(1)
 numpy calls per batch; the work of choosing happens in :meth:`~EvictionPolicy.victims`,
-which the Evictor calls off the critical path for a whole watermark's worth of blocks.
+in O(evicted) for every built-in policy and any capacity: each keeps its order in
+structures that yield victims directly (the lazy recency logs of
+:mod:`~kvferry.cache._recency` for LRU and ARC, FIFO rings for S3-FIFO), so that an
+eviction never passes over all slots — with watermarks (1, 1) every store that finds no
+free slot evicts, inline.
 
 Who owns what: a policy instance belongs to one directory and is called from its owner's
 task only.
@@ -23,10 +27,15 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
-from .._errors import ConfigError
+from .._errors import ConfigError, KVFerryError
+from ._recency import Evictable, RecencyLists
 
 I64 = npt.NDArray[np.int64]
 Mask = npt.NDArray[np.bool_]
+
+
+class PolicyError(KVFerryError, RuntimeError):
+    """An eviction policy broke its contract (chose a slot it may not evict, or twice)."""
 
 
 @runtime_checkable
@@ -54,12 +63,19 @@ class EvictionPolicy(Protocol):
     def store_miss(self, tags: I64) -> None:
         """Keys about to be stored that were not resident (ghost learning)."""
 
-    def victims(self, n: int, evictable: Mask, tags: I64) -> I64:
-        """Choose up to ``n`` distinct slots with ``evictable[slot]``, best victims first.
+    def victims(self, n: int, evictable: Evictable, tags: I64) -> I64:
+        """Choose up to ``n`` distinct slots that ``evictable`` accepts, best victims first.
 
-        ``evictable`` and ``tags`` (read-only; empty without ``uses_tags``) have one entry
+        ``evictable(slots)`` says, for candidate slots, which may go now (READY, not
+        pinned by a load, not offered by the store that is making room); ask it about
+        the candidates in order, a chunk at a time, and keep the refused ones (they become
+        evictable later). ``tags`` (read-only; empty without ``uses_tags``) has one entry
         per slot. The returned slots leave the cache: the policy forgets them. Fewer than
         ``n`` only when fewer are evictable.
+
+        The cost should follow ``n`` (and the refused candidates met on the way), not the
+        capacity: with watermarks (1, 1) a store makes this call for a handful of blocks.
+        ``evictable(np.arange(capacity))`` is a whole-cache mask, at O(capacity) a call.
         """
         ...
 
@@ -74,106 +90,43 @@ class EvictionPolicy(Protocol):
         ...
 
 
-class Recency:
-    """A logical clock per slot: stamping a batch gives its head the newest time.
-
-    :meth:`stamp` only logs (O(1), no numpy); the log is applied in one vectorized pass
-    when an order is needed (:meth:`oldest`) or the log grows long. Stamps only grow, so
-    applying them with a per-slot maximum is exact even when a slot was freed and
-    reused in between: its new key's stamps are newer than any of the old key's.
-    """
-
-    max_log = 1 << 16
-    max_clock = (1 << 31) - (1 << 24)
-    """Stamps are int32 (4 bytes a slot); near the top they are renumbered by rank."""
-
-    def __init__(self, capacity: int) -> None:
-        self.stamp_of = np.zeros(capacity, np.int32)
-        self.clock = 0
-        self._log: list[I64] = []
-        self._bases: list[int] = []
-        self._logged = 0
-
-    def stamp(self, slots: I64) -> None:
-        k = len(slots)
-        if not k:
-            return
-        if self.clock + k > self.max_clock + (1 << 23):  # would not fit int32: apply now
-            self.apply()
-        self._log.append(slots)
-        self._bases.append(self.clock + k)
-        self.clock += k
-        self._logged += k
-        if self._logged > self.max_log:
-            self.apply()
-
-    def apply(self) -> None:
-        if not self._log:
-            return
-        slots = np.concatenate(self._log)
-        lens = np.fromiter(map(len, self._log), np.int64, len(self._log))
-        firsts = np.cumsum(lens) - lens
-        # Within one stamp, position i (0 = head) gets base - i.
-        values = np.repeat(np.asarray(self._bases, np.int64) + firsts, lens) - np.arange(len(slots))
-        np.maximum.at(self.stamp_of, slots, values.astype(np.int32))
-        self._log, self._bases, self._logged = [], [], 0
-        if self.clock > self.max_clock:
-            self._renumber()
-
-    def _renumber(self) -> None:
-        """The same order in small numbers: each slot's rank among all stamps."""
-        order = np.argsort(self.stamp_of, kind="stable")
-        self.stamp_of[order] = np.arange(1, len(order) + 1, dtype=np.int32)
-        self.clock = len(order) + 1
-
-    def oldest(self, n: int, candidates: I64) -> I64:
-        """The ``n`` candidates with the oldest stamps, oldest first (exact, O(len))."""
-        self.apply()
-        if n <= 0:
-            return candidates[:0]
-        if len(candidates) > n:
-            candidates = candidates[np.argpartition(self.stamp_of[candidates], n - 1)[:n]]
-        out: I64 = candidates[np.argsort(self.stamp_of[candidates], kind="stable")]
-        return out
-
-
 class LRUPolicy:
-    """Least recently used: exact LRU order over a per-slot logical clock.
+    """Least recently used, exact: one :class:`~kvferry.cache._recency.RecencyLists` list.
 
     A store, a reuse and a touch make a block the most recent (a batch's head newest).
-    :meth:`victims` is one O(capacity) partition for the whole batch, which the
-    watermarks amortize over thousands of evictions.
+    :meth:`victims` reads the list from its old end: O(evicted), plus the pinned blocks it
+    meets there (kept in place for the next eviction), whatever the capacity.
     """
 
     name = "lru"
     uses_tags = False
 
     def __init__(self, capacity: int) -> None:
-        self._recency = Recency(capacity)
+        self._lru = RecencyLists(capacity)
         self._victims = 0
 
     def admit(self, slots: I64, tags: I64) -> None:
-        self._recency.stamp(slots)
+        self._lru.enter(slots, 1)
 
     def reuse(self, slots: I64) -> None:
-        self._recency.stamp(slots)
+        self._lru.refresh(slots)
 
     def touch(self, slots: I64) -> None:
-        self._recency.stamp(slots)
+        self._lru.refresh(slots)
 
     def store_miss(self, tags: I64) -> None:
         pass
 
-    def victims(self, n: int, evictable: Mask, tags: I64) -> I64:
-        out = self._recency.oldest(n, np.flatnonzero(evictable))
+    def victims(self, n: int, evictable: Evictable, tags: I64) -> I64:
+        out = self._lru.pop(1, n, evictable)
         self._victims += len(out)
         return out
 
     def forget(self, slots: I64) -> None:
-        pass
+        self._lru.remove(slots)
 
     def clear(self) -> None:
-        self._recency = Recency(len(self._recency.stamp_of))
+        self._lru.clear()
 
     def statistics(self) -> dict[str, float]:
         return {"victims": self._victims}

@@ -8,7 +8,11 @@ tag goes to G. Evicting from M: a block with reuses left loses one and goes roun
 and never disturb M, which is what makes it scan-resistant.
 
 Placement (S or M) is decided at the next eviction, not at store time: it only matters
-then, and the ghost lookup is one batch instead of one per store.
+then, and the ghost lookup is one batch instead of one per store. An eviction reads the
+queues from their old ends: O(evicted), plus the pinned and second-chance blocks it meets
+there (they go round again); a queue that showed only pinned blocks since it last gave
+anything is passed over for the rest of the call, so S's pinned blocks never keep M's
+evictable ones in.
 
 Who owns what: owned by one directory; see :mod:`kvferry.cache._policy`.
 """
@@ -17,7 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._policy import I64, Mask
+from ._policy import I64
+from ._recency import Evictable
 from ._table import FingerprintQueue
 
 _NONE, _S, _M = 0, 1, 2
@@ -34,7 +39,8 @@ class _Ring:
 
     def push(self, slots: I64) -> None:
         n = len(slots)
-        assert self.len + n <= len(self._a), "ring overflow"
+        if self.len + n > len(self._a):
+            raise OverflowError(f"ring of {len(self._a)}: {self.len} + {n}")
         self._a[(self._head + self.len + np.arange(n)) % len(self._a)] = slots
         self.len += n
 
@@ -119,19 +125,25 @@ class S3FIFOPolicy:
         self._queue[slots[~back]] = _S
         self._s.push(slots[~back])
 
-    def victims(self, n: int, evictable: Mask, tags: I64) -> I64:
+    def victims(self, n: int, evictable: Evictable, tags: I64) -> I64:
         self._apply()
         out: list[I64] = []
         need = n
-        # Every pass over both queues evicts or lowers a count; 5 passes of nothing
-        # evictable means everything left is pinned.
-        budget = 5 * (self._s.len + self._m.len) + 64
+        # Pinned blocks met at a queue's old end go round again; once a queue showed only
+        # pinned blocks since it last gave anything (``stalled`` of them, its whole
+        # length), it is passed over for the rest of the call: S's pinned blocks must not
+        # keep M's evictable ones in, and nothing is read twice without progress.
+        stalled = {True: 0, False: 0}
         small_target = self.small_share * self.capacity
-        while need > 0 and budget > 0 and (self._s.len or self._m.len):
-            from_small = self._s.len > small_target or not self._m.len
+        while need > 0:
+            small_ok = self._s.len > stalled[True]
+            main_ok = self._m.len > stalled[False]
+            if not (small_ok or main_ok):
+                break
+            from_small = small_ok and (self._s.len > small_target or not main_ok)
             ring = self._s if from_small else self._m
             chunk = ring.peek(max(need, 64))
-            ok = evictable[chunk]
+            ok = np.asarray(evictable(chunk), np.bool_)
             freq = self._freq[chunk]
             leave = ok & (freq == 0)  # never reused (in S), or out of second chances (in M)
             cut = len(chunk)
@@ -139,7 +151,7 @@ class S3FIFOPolicy:
                 cut = int(np.flatnonzero(leave)[need - 1]) + 1
             chunk, ok, freq, leave = chunk[:cut], ok[:cut], freq[:cut], leave[:cut]
             ring.pop(cut)
-            budget -= cut
+            stalled[from_small] = 0 if ok.any() else stalled[from_small] + cut
             gone = chunk[leave]
             if from_small:
                 # Reused at least once while in S: it earned a place in M.

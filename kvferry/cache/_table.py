@@ -9,7 +9,8 @@ overflowed, and a removal gives the counts back; no tombstones, no rehash. All o
 take and return arrays, one numpy pass per probe round (almost always one round).
 
 :class:`FingerprintQueue` is a bounded FIFO set of tags with an optional int32 payload,
-on a ring plus a :class:`TagTable`, its memory following its size: the ghost lists (ARC,
+on a ring plus a :class:`TagTable` (and each entry's position in the table, so that the
+old end leaves without a search), its memory following its size: the ghost lists (ARC,
 S3-FIFO) and the admission counter use it. (``benchmarks/bookkeeping.py`` also measures a
 :class:`TagTable` as the directory's key index, against the dict the directory uses.)
 
@@ -71,12 +72,13 @@ def tags_of(keys: Sequence[bytes]) -> I64:
 class TagTable:
     """Nonzero int64 tag → int32 value, for up to ``capacity`` live entries.
 
-    The table never grows: inserting beyond ``capacity`` is a caller bug (asserted).
+    The table never grows: inserting beyond ``capacity`` is a caller bug (``OverflowError``).
     Duplicate tags are allowed; :meth:`find` returns one of them.
     """
 
     def __init__(self, capacity: int, *, max_load: float = 0.5) -> None:
-        assert capacity > 0 and 0 < max_load <= 1
+        if capacity <= 0 or not 0 < max_load <= 1:
+            raise ValueError(f"need capacity > 0 and 0 < max_load <= 1: {capacity}, {max_load}")
         # Any bucket count (a modulo, not a mask): no power-of-two rounding of the memory.
         nb = max(1, -(-int(capacity / max_load) // WIDTH))
         self.capacity = capacity
@@ -131,22 +133,28 @@ class TagTable:
         """Insert each (tag, value); returns their flat positions. Tags must be nonzero."""
         vals = np.asarray(values, np.int32)
         n = len(tags)
-        assert self.size + n <= self.capacity, "TagTable over capacity"
-        pos = np.empty(n, np.int64)
+        if self.size + n > self.capacity:
+            raise OverflowError(f"TagTable of {self.capacity} entries: {self.size} + {n}")
         bucket = self.home(tags)
+        pos = np.empty(n, np.int64)
         todo = np.arange(n)
         while len(todo):
-            # The i-th tag (in this round) of a bucket takes the bucket's i-th free cell;
-            # those that find none spill to the next bucket, counted in its ``_over``.
-            order = np.argsort(bucket[todo], kind="stable")
-            todo = todo[order]
             b = bucket[todo]
-            new_run = np.empty(len(b), bool)
-            new_run[0] = True
-            np.not_equal(b[1:], b[:-1], out=new_run[1:])
-            run_start = np.maximum.accumulate(np.where(new_run, np.arange(len(b)), 0))
-            rank = np.minimum(np.arange(len(b)) - run_start, WIDTH)
-            fits, col = _nth_set(self._tags[b] == 0, rank)
+            ordered = np.sort(b)
+            if len(b) < 2 or (ordered[1:] != ordered[:-1]).all():
+                # Distinct buckets (the common case of a small batch): each its first free cell.
+                fits, col = _first_set(self._tags[b] == 0)
+            else:
+                # The i-th tag (in this round) of a bucket takes the bucket's i-th free cell;
+                # those that find none spill to the next bucket, counted in its ``_over``.
+                order = np.argsort(b, kind="stable")
+                todo, b = todo[order], b[order]
+                new_run = np.empty(len(b), bool)
+                new_run[0] = True
+                np.not_equal(b[1:], b[:-1], out=new_run[1:])
+                run_start = np.maximum.accumulate(np.where(new_run, np.arange(len(b)), 0))
+                rank = np.minimum(np.arange(len(b)) - run_start, WIDTH)
+                fits, col = _nth_set(self._tags[b] == 0, rank)
             s, bf, col = todo[fits], b[fits], col[fits]
             self._tags[bf, col] = tags[s]
             self._vals[bf, col] = vals[s]
@@ -164,7 +172,8 @@ class TagTable:
             return
         flat_tags = self._tags.reshape(-1)
         tags = flat_tags[pos]
-        assert (tags != 0).all(), "TagTable.remove_at of an empty entry"
+        if not (tags != 0).all():
+            raise KeyError("TagTable.remove_at of an empty entry")
         home = self.home(tags)
         bucket = pos // WIDTH
         # An entry stored past its home bucket counted itself in every bucket it skipped.
@@ -198,7 +207,8 @@ class FingerprintQueue:
     """
 
     def __init__(self, capacity: int, *, payload: bool = False, initial: int = 1024) -> None:
-        assert capacity > 0
+        if capacity <= 0:
+            raise ValueError(f"capacity must be > 0, got {capacity}")
         self.capacity = capacity
         self._has_payload = payload
         self.size = 0  # live members
@@ -208,6 +218,7 @@ class FingerprintQueue:
         self._room = room
         self._ring_size = room + max(room // 8, 16)
         self._ring = np.zeros(self._ring_size, np.int64)  # tag, 0 for a hole
+        self._where = np.zeros(self._ring_size, np.int64)  # its position in the table
         self._payload = np.zeros(self._ring_size if self._has_payload else 0, np.int32)
         self._table = TagTable(room + 1, max_load=0.6)
         self._head = 0  # ring index of the oldest entry
@@ -221,7 +232,8 @@ class FingerprintQueue:
         return self._table.values_at(self._table.find(tags))
 
     def payload(self, ring_idx: I64) -> npt.NDArray[np.int32]:
-        assert self._has_payload
+        if not self._has_payload:
+            raise TypeError("this FingerprintQueue keeps no payload")
         return self._payload[ring_idx]
 
     def discard(self, tags: I64) -> npt.NDArray[np.bool_]:
@@ -242,9 +254,12 @@ class FingerprintQueue:
         n = len(tags)
         if n == 0:
             return
-        payload = np.broadcast_to(np.asarray(payload, np.int32), (n,))
+        if self._has_payload:
+            payload = np.broadcast_to(np.asarray(payload, np.int32), (n,))
         if n > self.capacity:  # only the youngest can stay
-            tags, payload, n = tags[-self.capacity :], payload[-self.capacity :], self.capacity
+            tags, n = tags[-self.capacity :], self.capacity
+            if self._has_payload:
+                payload = np.asarray(payload)[-self.capacity :]
         self.trim(self.capacity - n)
         if self.size + n > self._room:
             self._compact(min(self.capacity, max(2 * self._room, self.size + n)))
@@ -254,7 +269,7 @@ class FingerprintQueue:
         self._ring[idx] = tags
         if self._has_payload:
             self._payload[idx] = payload
-        self._table.insert(tags, idx)
+        self._where[idx] = self._table.insert(tags, idx)
         self._len += n
         self.size += n
 
@@ -271,7 +286,7 @@ class FingerprintQueue:
                 cut = int(np.flatnonzero(live)[excess - 1]) + 1
             drop = idx[:cut][live[:cut]]
             if len(drop):
-                self._table.remove_at(self._table.find(self._ring[drop]))
+                self._table.remove_at(self._where[drop])  # no search: positions kept
                 self._ring[drop] = 0
                 self.size -= len(drop)
             self._head = (self._head + cut) % self._ring_size
@@ -289,7 +304,7 @@ class FingerprintQueue:
             self._ring[:n] = tags
             if payload is not None:
                 self._payload[:n] = payload
-            self._table.insert(tags, np.arange(n))
+            self._where[:n] = self._table.insert(tags, np.arange(n))
         self._len = self.size = n
 
     def clear(self) -> None:
@@ -298,4 +313,4 @@ class FingerprintQueue:
 
     @property
     def nbytes(self) -> int:
-        return self._ring.nbytes + self._payload.nbytes + self._table.nbytes
+        return self._ring.nbytes + self._where.nbytes + self._payload.nbytes + self._table.nbytes

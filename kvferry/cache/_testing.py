@@ -4,7 +4,7 @@
 :class:`~kvferry.cache.Directory`, in dicts and sets: it does not choose victims — a test
 feeds it the directory's evictions (from the KV events) and the model checks that each was
 allowed — and it predicts everything else (lookups, loads, slots in use, what is visible).
-Every ``apply_*`` asserts the DESIGN §4 invariants it can see:
+Every ``apply_*`` checks the DESIGN §4 invariants it can see (:class:`ModelMismatch`):
 
 1. only a completed, ``ok`` store is a lookup hit;
 2. a STORING or pinned block is never evicted, and its slot is never handed out again
@@ -26,6 +26,15 @@ import numpy.typing as npt
 from ._directory import Key
 
 I64 = npt.NDArray[np.int64]
+
+
+class ModelMismatch(AssertionError):
+    """The directory did something the model says it must not (a test failure)."""
+
+
+def _expect(condition: bool, message: str) -> None:
+    if not condition:
+        raise ModelMismatch(message)
 
 
 def key(i: int, group: int = 0) -> Key:
@@ -87,7 +96,7 @@ class ModelDirectory:
         for k, e in self.entries.items():
             if e.slot == slot:
                 return k, e
-        assert slot in self.dropped, f"slot {slot} is not in use"
+        _expect(slot in self.dropped, f"slot {slot} is not in use")
         return None, self.dropped[slot]
 
     def _stamp(self, keys: Sequence[Key]) -> None:
@@ -102,17 +111,17 @@ class ModelDirectory:
     def apply_evicted(self, keys: Iterable[Key], protected: Iterable[Key] = ()) -> None:
         allowed = set(self.evictable(protected))
         for k in keys:
-            assert k in allowed, f"evicted {k!r}, which is not READY and unpinned (or protected)"
+            _expect(k in allowed, f"evicted {k!r}, which is not READY and unpinned (or protected)")
             allowed.discard(k)
             del self.entries[k]
 
     def apply_prepare_load(self, keys: Sequence[Key], slots: I64 | None) -> None:
         loadable = all(k in self.entries and self.entries[k].ready for k in keys)
         if slots is None:
-            assert not loadable, "prepare_load refused READY keys"
+            _expect(not loadable, "prepare_load refused READY keys")
             return
-        assert loadable, "prepare_load pinned a key that is not READY"
-        assert [self.entries[k].slot for k in keys] == slots.tolist()
+        _expect(loadable, "prepare_load pinned a key that is not READY")
+        _expect([self.entries[k].slot for k in keys] == slots.tolist(), "pinned the wrong slots")
         for k in keys:
             self.entries[k].pins += 1
         self._stamp(keys)
@@ -120,7 +129,7 @@ class ModelDirectory:
     def apply_complete_load(self, slots: I64) -> None:
         for s in slots.tolist():
             k, e = self._entry_of_slot(s)
-            assert e.ready and e.pins > 0, f"slot {s} completed a load it was not pinned for"
+            _expect(e.ready and e.pins > 0, f"slot {s} completed a load it was not pinned for")
             e.pins -= 1
             if k is None and not e.pins:
                 del self.dropped[s]
@@ -136,29 +145,29 @@ class ModelDirectory:
         full = False
         for k, s in zip(keys, slots.tolist(), strict=True):
             if k in self.entries or k in seen:
-                assert s == -1 or k not in seen, f"{k!r} given a second slot"
-                assert s == -1, f"present key {k!r} given a slot"
+                _expect(s == -1 or k not in seen, f"{k!r} given a second slot")
+                _expect(s == -1, f"present key {k!r} given a slot")
                 continue
             seen.add(k)
             self.offers[k] += 1
             if self.offers[k] < self.store_threshold:
-                assert s == -1, f"{k!r} stored before its {self.store_threshold}th offer"
+                _expect(s == -1, f"{k!r} stored before its {self.store_threshold}th offer")
                 continue
             if s == -1:
                 full = True
                 continue
-            assert 0 <= s < self.capacity, f"slot {s} out of range"
-            assert s not in self.slots_in_use(), f"slot {s} handed out twice"
+            _expect(0 <= s < self.capacity, f"slot {s} out of range")
+            _expect(s not in self.slots_in_use(), f"slot {s} handed out twice")
             self.entries[k] = ModelEntry(slot=s, ready=False)
-        assert self.used() <= self.capacity, "capacity exceeded"
+        _expect(self.used() <= self.capacity, "capacity exceeded")
         if full:
-            assert self.used() == self.capacity, "a store was skipped as full with room left"
+            _expect(self.used() == self.capacity, "a store was skipped as full with room left")
 
     def apply_complete_store(self, slots: I64, ok: bool) -> None:
         stored = []
         for s in slots.tolist():
             k, e = self._entry_of_slot(s)
-            assert not e.ready, f"slot {s} completed a store twice"
+            _expect(not e.ready, f"slot {s} completed a store twice")
             if k is None:
                 del self.dropped[s]
             elif ok:
@@ -173,7 +182,7 @@ class ModelDirectory:
 
     def apply_clear(self, keys: Sequence[Key]) -> None:
         expected = {k for k, e in self.entries.items() if e.ready and not e.pins}
-        assert set(keys) == expected and len(keys) == len(expected)
+        _expect(set(keys) == expected and len(keys) == len(expected), "clear dropped other keys")
         for k in keys:
             del self.entries[k]
 

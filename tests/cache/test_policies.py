@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 
 from kvferry import ConfigError
 from kvferry.cache import ARCPolicy, Directory, LRUPolicy, S3FIFOPolicy, make_policy
+from kvferry.cache._recency import RecencyLists
 from kvferry.cache._testing import key as k
 
 
@@ -96,23 +99,47 @@ def test_a_class_that_is_not_a_policy_is_refused() -> None:
         make_policy("fractions:Fraction", 4)
 
 
+def evictable_except(*refused: int) -> Callable[[np.ndarray], np.ndarray]:
+    return lambda slots: ~np.isin(slots, refused)
+
+
 def test_victims_are_the_oldest_evictable_slots_oldest_first() -> None:
     lru = LRUPolicy(6)
     lru.admit(np.array([0, 1, 2]), np.zeros(3, np.int64))  # 0 is the head: newest
     lru.admit(np.array([3, 4, 5]), np.zeros(3, np.int64))
-    evictable = np.ones(6, bool)
-    evictable[2] = False
-    assert lru.victims(3, evictable, np.zeros(0, np.int64)).tolist() == [1, 0, 5]
+    assert lru.victims(3, evictable_except(2), np.zeros(0, np.int64)).tolist() == [1, 0, 5]
 
 
-def test_recency_renumbers_before_its_int32_stamps_overflow() -> None:
-    from kvferry.cache._policy import Recency
+def test_a_refused_slot_keeps_its_age_for_the_next_eviction() -> None:
+    lru = LRUPolicy(6)
+    lru.admit(np.array([2, 1, 0]), np.zeros(3, np.int64))  # oldest first: 0, 1, 2
+    lru.touch(np.array([4, 3]))  # not stored: ignored
+    lru.admit(np.array([5, 4, 3]), np.zeros(3, np.int64))
+    assert lru.victims(2, evictable_except(0), np.zeros(0, np.int64)).tolist() == [1, 2]
+    assert lru.victims(2, evictable_except(), np.zeros(0, np.int64)).tolist() == [0, 3]
 
-    r = Recency(4)
-    r.max_clock = 20  # renumber early, to see it happen
-    for _ in range(10):
-        r.stamp(np.array([3, 2]))  # 3 the head: newer than 2
-    r.stamp(np.array([1]))
-    r.stamp(np.array([0]))
-    assert r.oldest(4, np.arange(4)).tolist() == [2, 3, 1, 0]
-    assert r.clock == 5  # renumbered: ranks 1..4
+
+def test_recency_lists_promote_refresh_and_pop_in_order() -> None:
+    lists = RecencyLists(8, 2)
+    lists.enter(np.array([1, 0]), 1)  # list 1, oldest first: 0, 1
+    lists.enter(np.array([3, 2]), 1)  # 0, 1, 2, 3
+    lists.promote(np.array([1, 7]), 2)  # 7 is in no list: ignored
+    lists.refresh(np.array([0]))  # list 1: 2, 3, 0
+    lists.enter(np.array([5]), 1)
+    lists.promote(np.array([5, 2]), 2)  # the batch's head is its newest: 2, then 5
+    assert lists.order(1).tolist() == [3, 0]
+    assert lists.order(2).tolist() == [1, 2, 5]
+    assert (lists.size(1), lists.size(2), lists.promoted) == (2, 3, 3)
+    assert lists.pop(2, 2, evictable_except()).tolist() == [1, 2]
+    assert lists.member[[1, 2]].tolist() == [0, 0]
+
+
+def test_recency_lists_compact_a_log_of_stale_entries() -> None:
+    lists = RecencyLists(4, 1, initial=64)
+    lists.enter(np.array([3, 2, 1, 0]), 1)
+    for _ in range(1000):  # 4000 appends, 4 live entries: the log is rewritten, not grown
+        lists.refresh(np.array([3, 2, 1, 0]))
+        lists.flush()
+    assert len(lists._logs[1].buf) <= 64 and lists.order(1).tolist() == [0, 1, 2, 3]
+    assert lists.pop(1, 3, evictable_except(1)).tolist() == [0, 2, 3]
+    assert lists.order(1).tolist() == [1]

@@ -35,6 +35,7 @@ class RandomPolicy:
 
     def __init__(self, capacity: int) -> None:
         self._rng = np.random.default_rng(0)
+        self._all = np.arange(capacity)
 
     def admit(self, slots: Any, tags: Any) -> None:
         pass
@@ -49,7 +50,7 @@ class RandomPolicy:
         pass
 
     def victims(self, n: int, evictable: Any, tags: Any) -> Any:
-        cand = np.flatnonzero(evictable)
+        cand = self._all[evictable(self._all)]  # a whole-cache mask: fine for a toy
         return self._rng.permutation(cand)[:n]
 
     def forget(self, slots: Any) -> None:
@@ -161,9 +162,21 @@ class DirectoryMachine(RuleBasedStateMachine):
     @rule()
     def evict(self) -> None:
         """What the evictor does between messages: down to the low watermark."""
-        self.d.evict()
+        short = self.d.room_short()
+        evictable = len(self.model.evictable())
+        assert self.d.evict() == min(short, evictable)  # no block lost from the policy's order
         stored, removed = self._take()
         assert not stored
+        self._evicted(removed, [])
+
+    @rule(roll=st.integers(0, 3))
+    def evict_everything(self, roll: int) -> None:
+        """A policy yields every evictable block, however long its pinned ones stayed."""
+        if roll:
+            return
+        evictable = len(self.model.evictable())
+        assert self.d._evict(self.d.num_slots, None) == evictable
+        stored, removed = self._take()
         self._evicted(removed, [])
 
     # Clears and resets wipe the state the other rules build: make them rare.
