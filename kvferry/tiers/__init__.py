@@ -5,6 +5,16 @@ Not yet wired into the connector (see docs/architecture.md once it is).
 
 from __future__ import annotations
 
+from ._actor import DiskIOActor as DiskIOActor
+from ._actor import DiskIOMsg as DiskIOMsg
+from ._actor import DiskIOStatistics as DiskIOStatistics
+from ._actor import DiskJobResult as DiskJobResult
+from ._actor import GetDiskStatistics as GetDiskStatistics
+from ._actor import PollDiskJobs as PollDiskJobs
+from ._actor import ReadChunks as ReadChunks
+from ._actor import ScanDisk as ScanDisk
+from ._actor import WriteChunks as WriteChunks
+from ._actor import keys_array as keys_array
 from ._disk import DiskStatistics as DiskStatistics
 from ._disk import DiskStore as DiskStore
 from ._disk import FileOps as FileOps
@@ -29,12 +39,22 @@ __all__ = [
     "ChunkCorrupt",
     "ChunkForeign",
     "ChunkHeader",
+    "DiskIOActor",
+    "DiskIOMsg",
+    "DiskIOStatistics",
+    "DiskJobResult",
     "DiskStatistics",
     "DiskStore",
     "FileOps",
     "Fingerprint",
+    "GetDiskStatistics",
     "Outcome",
+    "PollDiskJobs",
+    "ReadChunks",
+    "ScanDisk",
     "ScanReport",
+    "WriteChunks",
     "aligned_buffer",
     "decode_header",
+    "keys_array",
 ]
