@@ -8,11 +8,14 @@ uint8 array and host slots as one int64 array. It asks ``PollDiskJobs`` once per
 reported once, with one :class:`~kvferry.tiers.Outcome` per chunk.
 
 Who owns what: the actor owns its two queues (reads, writes: chunks not yet started) and
-its jobs in flight. The blocking file I/O runs in worker threads, one chunk at a time, on
-``io_depth`` runner actors (each waits for its thread with ``anyio.to_thread``); the
-actor hands a chunk to a runner only when the runner is idle, and always takes the next
-read before the next write. A read therefore waits behind at most the ``io_depth``
-chunks already started, never behind queued writes. The host slots a job names must not
+its jobs in flight. The blocking file I/O runs in worker threads on ``io_depth`` runner actors
+(each waits for its thread with ``anyio.to_thread``), a batch of chunks of one kind per
+thread hop (up to ``batch_bytes``: a hop per chunk costs a loaded machine as much as the
+I/O); the actor hands a batch to a runner only when the runner is idle, and always takes
+reads before writes. A write batch stops before its next chunk as soon as a read is
+queued (a ``threading.Event`` the runners' threads check), and hands the rest back. A
+read therefore waits behind at most the ``io_depth`` chunks already started, never
+behind queued writes. The host slots a job names must not
 be reused by anyone until its result is reported (the scheduler side pins them).
 
 Bounds: the write queue holds at most ``max_queued_writes`` chunks; the chunks of a
@@ -23,6 +26,7 @@ bounded by the host slots the scheduler reserved for them, and by the mailbox.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -121,8 +125,10 @@ class DiskIOStatistics:
     """A snapshot of the disk actor's counters, and its store's."""
 
     reads_queued: int
+    """Chunks queued, not yet handed to a runner (likewise ``writes_queued``)."""
     writes_queued: int
     in_flight: int
+    """Runners busy with a batch."""
     jobs_ended: int
     writes_dropped: int
     """Chunks dropped because the write queue was full."""
@@ -134,14 +140,17 @@ class GetDiskStatistics:
     reply: Reply[DiskIOStatistics] = attrs.field(eq=False, repr=False)
 
 
+Item: TypeAlias = tuple[int, int, bytes, int]
+"""One chunk handed to a runner: (job id, index in the job, key, host slot)."""
+
+
 @attrs.frozen(kw_only=True)
 class _Ran:
-    """From a runner: chunk ``index`` of job ``job_id`` ended with ``outcome``."""
+    """From a runner: ``done`` chunks ended, as (job id, index, outcome, bytes);
+    ``undone`` were not started (a write batch that yielded to queued reads)."""
 
-    job_id: int
-    index: int
-    outcome: Outcome
-    nbytes: int
+    done: tuple[tuple[int, int, Outcome, int], ...]
+    undone: tuple[Item, ...]
     runner: ActorRef[_Run] = attrs.field(eq=False)
 
 
@@ -151,39 +160,52 @@ DiskIOMsg: TypeAlias = ReadChunks | WriteChunks | PollDiskJobs | ScanDisk | GetD
 @attrs.frozen(kw_only=True)
 class _Run:
     kind: Kind
-    job_id: int
-    index: int
-    key: bytes
-    slot: int
+    items: tuple[Item, ...]
 
 
 class _Runner(Actor[_Run]):
-    """Runs one chunk's I/O at a time in a worker thread and tells its owner the outcome."""
+    """Runs a batch of chunks of one kind in one worker thread (one thread hop per
+    batch, not per chunk) and tells its owner the outcomes.
+
+    A write batch stops before its next chunk once ``reads_waiting`` is set, so a read
+    waits for at most the chunk in progress.
+    """
 
     mailbox_size = 1
 
     def __init__(
-        self, owner: ActorRef[DiskIOMsg], store: DiskStore, slots: npt.NDArray[np.uint8]
+        self,
+        owner: ActorRef[DiskIOMsg],
+        store: DiskStore,
+        slots: npt.NDArray[np.uint8],
+        reads_waiting: threading.Event,
     ) -> None:
         self.owner = owner
         self.store = store
         self.slots = slots
+        self.reads_waiting = reads_waiting
         self._log = get_logger("kvferry.tiers", actor="DiskIORunner")
 
+    def _run(
+        self, kind: Kind, items: tuple[Item, ...]
+    ) -> tuple[list[tuple[int, int, Outcome, int]], tuple[Item, ...]]:
+        op = self.store.read if kind == "read" else self.store.write
+        done: list[tuple[int, int, Outcome, int]] = []
+        for n, (job_id, index, key, slot) in enumerate(items):
+            if kind == "write" and n and self.reads_waiting.is_set():
+                return done, items[n:]
+            view = self.slots[slot]
+            try:
+                outcome = op(key, view)
+            except Exception as exc:  # a bug, not a file-system failure: the chunk fails
+                self._log.error("disk_io_failed", kind=kind, job_id=job_id, exc_info=exc)
+                outcome = Outcome.IO_ERROR
+            done.append((job_id, index, outcome, view.nbytes if outcome == Outcome.OK else 0))
+        return done, ()
+
     async def handle(self, msg: _Run) -> None:
-        view = self.slots[msg.slot]
-        op = self.store.read if msg.kind == "read" else self.store.write
-        try:
-            outcome = await anyio.to_thread.run_sync(op, msg.key, view)
-        except Exception as exc:  # a bug, not a file-system failure: the chunk fails
-            self._log.error("disk_io_failed", kind=msg.kind, job_id=msg.job_id, exc_info=exc)
-            outcome = Outcome.IO_ERROR
-        nbytes = view.nbytes if outcome == Outcome.OK else 0
-        await self.owner.tell(
-            _Ran(
-                job_id=msg.job_id, index=msg.index, outcome=outcome, nbytes=nbytes, runner=self.ref
-            )
-        )
+        done, undone = await anyio.to_thread.run_sync(self._run, msg.kind, msg.items)
+        await self.owner.tell(_Ran(done=tuple(done), undone=undone, runner=self.ref))
 
 
 @attrs.define(eq=False)
@@ -200,7 +222,8 @@ class DiskIOActor(Actor[DiskIOMsg]):
     """Reads and writes chunks between host slots and a :class:`DiskStore`.
 
     ``slots``: the host pool as a ``(num_slots, slot_bytes)`` uint8 array (a slot is
-    one chunk). ``io_depth``: chunks in flight at once (worker threads).
+    one chunk). ``io_depth``: runners (worker threads) at once. ``batch_bytes``: a
+    runner takes up to this many bytes of chunks of one kind per thread hop.
     """
 
     mailbox_size = 1024
@@ -212,6 +235,7 @@ class DiskIOActor(Actor[DiskIOMsg]):
         *,
         io_depth: int = 2,
         max_queued_writes: int = 256,
+        batch_bytes: int = 16 << 20,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if slots.ndim != 2 or slots.dtype != np.uint8:
@@ -233,6 +257,8 @@ class DiskIOActor(Actor[DiskIOMsg]):
         self._dropped = 0
         self._log = get_logger("kvferry.tiers", actor="DiskIOActor")
         self._dropped_logged = False
+        self._reads_waiting = threading.Event()
+        self._batch_chunks = max(1, batch_bytes // max(1, slots.shape[1]))
 
     async def handle(self, msg: DiskIOMsg) -> None:
         match msg:
@@ -276,6 +302,8 @@ class DiskIOActor(Actor[DiskIOMsg]):
         self._jobs[msg.job_id] = job
         if kind == "read":
             self._reads.extend((job, i) for i in range(n))
+            if n:
+                self._reads_waiting.set()  # running write batches stop at their next chunk
         else:
             room = max(0, self.max_queued_writes - len(self._writes))
             self._writes.extend((job, i) for i in range(min(n, room)))
@@ -294,7 +322,7 @@ class DiskIOActor(Actor[DiskIOMsg]):
         if not self._spawned:
             self._spawned = True
             for i in range(self.io_depth):
-                runner = _Runner(self.ref, self.store, self.slots)
+                runner = _Runner(self.ref, self.store, self.slots, self._reads_waiting)
                 self._idle.append(await self.system.spawn(runner, name=f"{self.ref.name}.io{i}"))
         if job.pending == 0:
             self._finish(job)
@@ -302,25 +330,34 @@ class DiskIOActor(Actor[DiskIOMsg]):
 
     def _dispatch(self) -> None:
         while self._idle and (self._reads or self._writes):
+            kind: Kind = "read" if self._reads else "write"
             queue = self._reads if self._reads else self._writes
-            job, i = queue.popleft()
+            batch: list[Item] = []
+            while queue and len(batch) < self._batch_chunks:
+                job, i = queue.popleft()
+                batch.append((job.msg.job_id, i, bytes(job.msg.keys[i]), int(job.msg.slots[i])))
             runner = self._idle.pop()
-            key = bytes(job.msg.keys[i])
-            run = _Run(
-                kind=job.kind, job_id=job.msg.job_id, index=i, key=key, slot=int(job.msg.slots[i])
-            )
             try:
-                runner.tell_nowait(run)
+                runner.tell_nowait(_Run(kind=kind, items=tuple(batch)))
             except (ActorStopped, anyio.WouldBlock):  # stopping: on_stop aborts the rest
-                queue.appendleft((job, i))
-                return
+                self._requeue(kind, batch)
+                break
+        if not self._reads:
+            self._reads_waiting.clear()
+
+    def _requeue(self, kind: Kind, items: Sequence[Item]) -> None:
+        queue = self._reads if kind == "read" else self._writes
+        queue.extendleft((self._jobs[job_id], i) for job_id, i, _, _ in reversed(items))
 
     def _ran(self, msg: _Ran) -> None:
         self._idle.append(msg.runner)
-        job = self._jobs.get(msg.job_id)
-        if job is not None:
-            job.outcomes[msg.index] = msg.outcome
-            job.nbytes += msg.nbytes
+        self._requeue("write", msg.undone)
+        for job_id, index, outcome, nbytes in msg.done:
+            job = self._jobs.get(job_id)
+            if job is None:
+                continue
+            job.outcomes[index] = outcome
+            job.nbytes += nbytes
             job.pending -= 1
             if job.pending == 0:
                 self._finish(job)

@@ -140,6 +140,38 @@ async def test_reads_are_served_before_queued_writes(make_store: Any) -> None:
 
 
 @pytest.mark.anyio
+async def test_a_running_write_batch_yields_to_reads_after_its_current_chunk(
+    make_store: Any,
+) -> None:
+    ops = Gated(key(100))
+    slots = pool()
+    store = make_store(ops=ops)
+    for i in (0, 1):
+        store.write(key(i), slots[i])
+    ops.order.clear()
+    async with ActorSystem() as system:
+        disk = await system.spawn(DiskIOActor(store, slots, io_depth=1, batch_bytes=1 << 30))
+        write: Reply[DiskJobResult] = Reply()
+        writes = keys_array([key(100 + i) for i in range(4)])
+        await disk.tell(WriteChunks(job_id=1, keys=writes, slots=[2, 3, 4, 5], notify=write))
+        await anyio.to_thread.run_sync(ops.blocked.wait)  # one batch of 4 has started
+        read: Reply[DiskJobResult] = Reply()
+        reads = keys_array([key(0), key(1)])
+        await disk.tell(ReadChunks(job_id=2, keys=reads, slots=[10, 11], notify=read))
+        await anyio.wait_all_tasks_blocked()
+        ops.gate.set()
+        assert (await write.wait()).ok and (await read.wait()).ok
+    assert ops.order == [
+        ("write", key(100)),
+        ("read", key(0)),
+        ("read", key(1)),
+        ("write", key(101)),
+        ("write", key(102)),
+        ("write", key(103)),
+    ]
+
+
+@pytest.mark.anyio
 async def test_a_full_write_queue_drops_stores_but_never_reads(make_store: Any) -> None:
     ops = Gated(key(100))
     slots = pool()
