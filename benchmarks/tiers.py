@@ -1,9 +1,9 @@
 """The disk tier's write and read throughput against fio on the same path.
 
 Run with the project's venv: ``.venv/bin/python benchmarks/tiers.py [--quick]
-[--path DIR] [--total-mib N] [--trials N]`` (needs ``fio``: ``apt-get install fio``).
+[--path DIR] [--trial-mib N] [--trials N]`` (needs ``fio``: ``apt-get install fio``).
 
-kvferry: ``TOTAL_MIB`` of chunks of ``CHUNK_MIB`` (one offloaded block of all layers)
+kvferry: ``TRIAL_MIB`` of chunks of ``CHUNK_MIB`` (one offloaded block of all layers)
 written from host slots (an aligned pool of ``POOL_SLOTS`` slots, as the host pool is) by
 one ``WriteChunks`` job to a :class:`~kvferry.tiers.DiskIOActor` with ``io_depth=1``
 (queue depth 1: one chunk in flight, in one worker thread), then read back into the
@@ -22,9 +22,15 @@ it, and the run fails if the store fell back to buffered I/O), so no read is ser
 from memory and no write is left in it. Neither side fsyncs (the store's default
 policy, ``fsync="never"``; see kvferry/tiers/_disk.py for why that is safe).
 
-Trials alternate fio and kvferry (the order swapped every trial) so a noisy neighbour
-on the shared disk hits both alike; each ratio is the median over trials of kvferry
-GB/s ÷ fio GB/s; raw GB/s are medians too. Files are deleted after each trial.
+A second baseline, ``plain``: a Python loop doing what fio does (open, one ``pwrite`` /
+``pread`` of the chunk with ``O_DIRECT``, close; a file per chunk), which separates what
+the format, the checksums, the rename and the actor cost (``disk_*_vs_plain``) from what
+Python costs against fio.
+
+A trial runs the three writes back to back, then the three reads (which goes first
+rotates every trial), so that a noisy neighbour on a shared disk hits both alike; each
+ratio is the median over ``TRIALS`` trials of kvferry GB/s ÷ fio GB/s in the same trial;
+raw GB/s are medians too. Files are deleted after each trial.
 
 Not yet here: the long-document workload's second pass served from disk and a warm
 restart, which come once the tier is wired into the connector.
@@ -36,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -46,6 +53,7 @@ from typing import Any
 
 import anyio
 import numpy as np
+import numpy.typing as npt
 
 from kvferry.actors import ActorSystem, Reply
 from kvferry.tiers import (
@@ -60,9 +68,10 @@ from kvferry.tiers import (
 )
 
 CHUNK_MIB = 2
-TOTAL_MIB = 1024
+TRIAL_MIB = 64
 POOL_SLOTS = 64
-TRIALS = 3
+TRIALS = 30
+QUICK_TRIALS = 6
 
 FP = Fingerprint(
     model="benchmark",
@@ -101,57 +110,80 @@ def fio(directory: Path, rw: str, nrfiles: int, chunk: int) -> float:
     return float(job["bw_bytes"]) / 1e9
 
 
-async def kvferry(directory: Path, nchunks: int, chunk: int) -> tuple[float, float]:
-    """kvferry's (write, read) GB/s for ``nchunks`` chunks through the disk actor."""
-    store = DiskStore(directory, nchunks * (chunk + (1 << 20)), FP)
+def plain(directory: Path, rw: str, slots: npt.NDArray[np.uint8], nchunks: int) -> float:
+    """GB/s of a plain Python loop doing what fio does (one O_DIRECT file per chunk:
+    open, one pwrite or pread, close; no header, no checksum, no rename, no actor)."""
+    flags = os.O_DIRECT | (os.O_WRONLY | os.O_CREAT if rw == "write" else os.O_RDONLY)
+    io = os.pwritev if rw == "write" else os.preadv
+    start = time.perf_counter()
+    for i in range(nchunks):
+        fd = os.open(directory / str(i), flags, 0o644)
+        try:
+            io(fd, [slots[i % len(slots)].data], 0)
+        finally:
+            os.close(fd)
+    return nchunks * slots.shape[1] / 1e9 / (time.perf_counter() - start)
+
+
+async def trial(root: Path, nchunks: int, chunk: int, rotate: int) -> dict[str, float]:
+    """One trial: fio's, kvferry's and the plain loop's writes back to back, then their
+    reads (the order rotated by ``rotate``); GB/s by ``{k,f,p}{w,r}``."""
+    store = DiskStore(root / "kvferry", nchunks * (chunk + (1 << 20)), FP)
     if not store.direct_io:
-        raise RuntimeError(f"{directory} does not take O_DIRECT: the comparison would be unfair")
+        raise RuntimeError(f"{root} does not take O_DIRECT: the comparison would be unfair")
     slots = aligned_buffer(POOL_SLOTS * chunk).reshape(POOL_SLOTS, chunk)
     slots[:] = np.random.default_rng(0).integers(0, 256, slots.shape, dtype=np.uint8)
     keys = keys_array([i.to_bytes(32, "big") + bytes(4) for i in range(nchunks)])
     rows = np.arange(nchunks) % POOL_SLOTS
+    (root / "fio").mkdir()
+    (root / "plain").mkdir()
     actor = DiskIOActor(store, slots, io_depth=1, max_queued_writes=nchunks)
+    figures: dict[str, float] = {}
     async with ActorSystem() as system:
         disk = await system.spawn(actor)
-        seconds: list[float] = []
-        for cls, job_id in ((WriteChunks, 1), (ReadChunks, 2)):
+
+        async def ours(cls: type[WriteChunks] | type[ReadChunks], job_id: int) -> float:
             reply: Reply[DiskJobResult] = Reply()
             start = time.perf_counter()
             await disk.tell(cls(job_id=job_id, keys=keys, slots=rows, notify=reply))
             result = await reply.wait()
-            seconds.append(time.perf_counter() - start)
+            seconds = time.perf_counter() - start
             if not result.ok:
                 raise RuntimeError(f"{cls.__name__} failed: {np.bincount(result.outcomes)}")
-    moved = nchunks * chunk / 1e9
-    return moved / seconds[0], moved / seconds[1]
+            return nchunks * chunk / 1e9 / seconds
+
+        sides = ["fio", "kvferry", "plain"]
+        sides = sides[rotate % 3 :] + sides[: rotate % 3]
+        for rw, cls, job_id in (("write", WriteChunks, 1), ("read", ReadChunks, 2)):
+            for side in sides:
+                if side == "fio":
+                    gbps = await anyio.to_thread.run_sync(fio, root / "fio", rw, nchunks, chunk)
+                elif side == "plain":
+                    gbps = await anyio.to_thread.run_sync(plain, root / "plain", rw, slots, nchunks)
+                else:
+                    gbps = await ours(cls, job_id)
+                figures[f"{side[0]}{rw[0]}"] = gbps
+    return figures
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--path", default="/var/tmp", help="a directory on the disk to test")
-    parser.add_argument("--total-mib", type=int, default=TOTAL_MIB)
+    parser.add_argument("--trial-mib", type=int, default=TRIAL_MIB)
     parser.add_argument("--trials", type=int, default=TRIALS)
-    parser.add_argument("--quick", action="store_true", help="256 MiB, 3 trials")
+    parser.add_argument("--quick", action="store_true", help=f"{QUICK_TRIALS} trials")
     args = parser.parse_args()
     if shutil.which("fio") is None:
         raise SystemExit("fio is not installed (apt-get install -y fio)")
-    total = 256 if args.quick else args.total_mib
+    trials = QUICK_TRIALS if args.quick else args.trials
     chunk = CHUNK_MIB << 20
-    nchunks = total // CHUNK_MIB
-    figures: dict[str, list[float]] = {k: [] for k in ("kw", "kr", "fw", "fr")}
-    for trial in range(args.trials):
+    nchunks = args.trial_mib // CHUNK_MIB
+    figures: dict[str, list[float]] = {k: [] for k in ("kw", "kr", "fw", "fr", "pw", "pr")}
+    for n in range(trials):
         root = Path(tempfile.mkdtemp(prefix="kvferry-bench-", dir=args.path))
         try:
-            order = ("fio", "kvferry") if trial % 2 == 0 else ("kvferry", "fio")
-            for side in order:
-                if side == "fio":
-                    (root / "fio").mkdir()
-                    figures["fw"].append(fio(root / "fio", "write", nchunks, chunk))
-                    figures["fr"].append(fio(root / "fio", "read", nchunks, chunk))
-                else:
-                    w, r = anyio.run(kvferry, root / "kvferry", nchunks, chunk)
-                    figures["kw"].append(w)
-                    figures["kr"].append(r)
+            for k, v in anyio.run(trial, root, nchunks, chunk, n).items():
+                figures[k].append(v)
         finally:
             shutil.rmtree(root, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in figures.items()}
@@ -159,11 +191,20 @@ def main() -> None:
         k / f for k, f in zip(figures["kw"], figures["fw"], strict=True)
     )
     read_ratio = statistics.median(k / f for k, f in zip(figures["kr"], figures["fr"], strict=True))
-    print(f"disk tier vs fio: {nchunks} chunks of {CHUNK_MIB} MiB, queue depth 1, O_DIRECT, ")
-    print(f"{args.trials} trials in {args.path} (medians; GB/s of payload)")
-    print(f"{'direction':<10} {'kvferry GB/s':>13} {'fio GB/s':>10} {'ratio':>7}")
-    print(f"{'write':<10} {med['kw']:>13.2f} {med['fw']:>10.2f} {write_ratio:>7.2f}")
-    print(f"{'read':<10} {med['kr']:>13.2f} {med['fr']:>10.2f} {read_ratio:>7.2f}")
+    plain_write = statistics.median(
+        k / f for k, f in zip(figures["kw"], figures["pw"], strict=True)
+    )
+    plain_read = statistics.median(k / f for k, f in zip(figures["kr"], figures["pr"], strict=True))
+    print(f"disk tier vs fio: {nchunks} chunks of {CHUNK_MIB} MiB a trial, queue depth 1,")
+    print(f"O_DIRECT, {trials} trials in {args.path} (medians; GB/s of payload)")
+    head = ("direction", "kvferry GB/s", "fio GB/s", "vs fio", "plain GB/s", "vs plain")
+    print(f"{head[0]:<10} {head[1]:>13} {head[2]:>9} {head[3]:>7} {head[4]:>11} {head[5]:>9}")
+    for rw, ratio, vs_plain in (
+        ("write", write_ratio, plain_write),
+        ("read", read_ratio, plain_read),
+    ):
+        k, f, p = med["k" + rw[0]], med["f" + rw[0]], med["p" + rw[0]]
+        print(f"{rw:<10} {k:>13.2f} {f:>9.2f} {ratio:>7.2f} {p:>11.2f} {vs_plain:>9.2f}")
     result: dict[str, Any] = {
         "disk_write_vs_fio": round(write_ratio, 3),
         "disk_read_vs_fio": round(read_ratio, 3),
@@ -171,9 +212,13 @@ def main() -> None:
         "disk_read_gbps": round(med["kr"], 3),
         "fio_write_gbps": round(med["fw"], 3),
         "fio_read_gbps": round(med["fr"], 3),
+        "disk_write_vs_plain": round(plain_write, 3),
+        "disk_read_vs_plain": round(plain_read, 3),
+        "plain_write_gbps": round(med["pw"], 3),
+        "plain_read_gbps": round(med["pr"], 3),
         "chunk_mib": CHUNK_MIB,
-        "total_mib": total,
-        "trials": args.trials,
+        "trial_mib": args.trial_mib,
+        "trials": trials,
     }
     print(json.dumps(result))
 
