@@ -233,3 +233,12 @@ async def test_a_job_still_queued_when_the_actor_stops_fails_its_asker(make_stor
 def test_messages_refuse_keys_and_slots_of_different_lengths() -> None:
     with pytest.raises(ValueError, match="keys"):
         ReadChunks(job_id=1, keys=keys_array([key(0), key(1)]), slots=[0])
+
+
+@pytest.mark.anyio
+async def test_a_job_naming_a_slot_outside_the_pool_ends_aborted(make_store: Any) -> None:
+    async with ActorSystem() as system:
+        disk = await system.spawn(DiskIOActor(make_store(), pool(4)))
+        keys = keys_array([key(0), key(1)])
+        result = await ask_notify(disk, WriteChunks, job_id=1, keys=keys, slots=[0, 4])
+    assert list(result.outcomes) == [Outcome.ABORTED, Outcome.ABORTED]
