@@ -68,9 +68,9 @@ from kvferry.tiers import (
 )
 
 CHUNK_MIB = 2
-TRIAL_MIB = 64
+TRIAL_MIB = 256
 POOL_SLOTS = 64
-TRIALS = 30
+TRIALS = 12
 QUICK_TRIALS = 6
 
 FP = Fingerprint(
