@@ -5,6 +5,7 @@ Not yet wired into the connector (see docs/architecture.md once it is).
 
 from __future__ import annotations
 
+from ._actor import DeleteChunks as DeleteChunks
 from ._actor import DiskIOActor as DiskIOActor
 from ._actor import DiskIOMsg as DiskIOMsg
 from ._actor import DiskIOStatistics as DiskIOStatistics
@@ -39,6 +40,7 @@ __all__ = [
     "ChunkCorrupt",
     "ChunkForeign",
     "ChunkHeader",
+    "DeleteChunks",
     "DiskIOActor",
     "DiskIOMsg",
     "DiskIOStatistics",

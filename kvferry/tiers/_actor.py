@@ -90,6 +90,17 @@ class WriteChunks(_Chunks):
 
 
 @attrs.frozen(kw_only=True)
+class DeleteChunks:
+    """Remove the chunks of ``keys`` (the disk tier's eviction). Deleted in a worker
+    thread before the actor handles its next message; ``reply`` (optional) gets how many
+    were on disk. Send it only for keys whose writes ended (a queued write of the same
+    key would land afterwards)."""
+
+    keys: npt.NDArray[np.uint8] = attrs.field(converter=_readonly_keys, eq=False)
+    reply: Reply[int] | None = attrs.field(default=None, eq=False, repr=False)
+
+
+@attrs.frozen(kw_only=True)
 class DiskJobResult:
     """A job that ended: ``outcomes[i]`` is chunk i's :class:`Outcome` (int8)."""
 
@@ -154,7 +165,9 @@ class _Ran:
     runner: ActorRef[_Run] = attrs.field(eq=False)
 
 
-DiskIOMsg: TypeAlias = ReadChunks | WriteChunks | PollDiskJobs | ScanDisk | GetDiskStatistics | _Ran
+DiskIOMsg: TypeAlias = (
+    ReadChunks | WriteChunks | DeleteChunks | PollDiskJobs | ScanDisk | GetDiskStatistics | _Ran
+)
 
 
 @attrs.frozen(kw_only=True)
@@ -266,6 +279,13 @@ class DiskIOActor(Actor[DiskIOMsg]):
                 await self._accept(msg, "read")
             case WriteChunks():
                 await self._accept(msg, "write")
+            case DeleteChunks(keys=keys, reply=reply):
+                store = self.store
+                deleted = await anyio.to_thread.run_sync(
+                    lambda: sum(store.delete(bytes(k)) for k in keys)
+                )
+                if reply is not None:
+                    reply.set(deleted)
             case _Ran():
                 self._ran(msg)
             case PollDiskJobs(reply=reply):

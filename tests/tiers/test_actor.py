@@ -16,6 +16,7 @@ import pytest
 from kvferry import ActorStopped
 from kvferry.actors import ActorSystem, Reply
 from kvferry.tiers import (
+    DeleteChunks,
     DiskIOActor,
     DiskJobResult,
     FileOps,
@@ -242,3 +243,18 @@ async def test_a_job_naming_a_slot_outside_the_pool_ends_aborted(make_store: Any
         keys = keys_array([key(0), key(1)])
         result = await ask_notify(disk, WriteChunks, job_id=1, keys=keys, slots=[0, 4])
     assert list(result.outcomes) == [Outcome.ABORTED, Outcome.ABORTED]
+
+
+@pytest.mark.anyio
+async def test_deleted_chunks_are_gone_from_disk_and_index(make_store: Any) -> None:
+    slots = pool()
+    store = make_store()
+    for i in range(3):
+        store.write(key(i), slots[i])
+    async with ActorSystem() as system:
+        disk = await system.spawn(DiskIOActor(store, slots))
+        keys = keys_array([key(0), key(2), key(9)])
+        deleted = await disk.ask(lambda r: DeleteChunks(keys=keys, reply=r))
+        read = await ask_notify(disk, ReadChunks, job_id=1, keys=keys_array([key(0)]), slots=[5])
+    assert deleted == 2 and store.keys() == [key(1)]
+    assert not store.path_of(key(0)).exists() and list(read.outcomes) == [Outcome.ABSENT]

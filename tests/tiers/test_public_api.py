@@ -10,6 +10,7 @@ EXPECTED = [
     "ChunkCorrupt",
     "ChunkForeign",
     "ChunkHeader",
+    "DeleteChunks",
     "DiskIOActor",
     "DiskIOMsg",
     "DiskIOStatistics",
