@@ -3,7 +3,8 @@
 Who sends what: the worker-side facade tells ``ReadChunks`` (disk -> host slots, for a
 load from the disk tier) and ``WriteChunks`` (host slots -> disk, for a store), one
 message per engine step and direction, each a batch: keys as one ``(n, key_bytes)``
-uint8 array and host slots as one int64 array. It asks ``PollDiskJobs`` once per step
+uint8 array and host slots as one int64 array; ``DeleteChunks`` when the disk tier
+evicts. It asks ``PollDiskJobs`` once per step
 (or gives a job a ``notify`` reply, answered when the job ends). Every job ends, and is
 reported once, with one :class:`~kvferry.tiers.Outcome` per chunk.
 
