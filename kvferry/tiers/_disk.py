@@ -1,0 +1,774 @@
+"""DiskStore: a bounded, verified, persistent directory of chunk files.
+
+Layout under ``path``::
+
+    kvferry-v1/<fingerprint digest, hex>/fingerprint.json    what the digest stands for
+    kvferry-v1/<fingerprint digest, hex>/<fan>/<key hex>.kvc  one chunk (see ._format)
+
+``<fan>`` is 2 hex digits of the key's xxh3_64: 256 directories, made at start (once:
+they persist), so a directory holds about ``chunks / 256`` entries (4096 for a million
+chunks, 2 TB of 2 MiB chunks; ext4 indexes directories). Making a directory on a chunk's
+first write costs about as much as the write (measured with benchmarks/tiers.py: writes
+into fresh directories ran at 0.58 of a plain O_DIRECT loop, into made ones at 0.87),
+hence made at start (256 ``mkdir``, about 65 ms here, once).
+
+Engines with another fingerprint (another model, dtype, layout, block size, rank, ...)
+live in their own directory beside ours; a store never reads, counts as its own, or
+deletes them. Many engines may share ``path``.
+
+Writes: a temporary name in the chunk's directory (``<key hex>.<pid>.<n>.tmp``), the
+header and the payload written, closed, then renamed over the final name. A writer that
+dies mid-chunk leaves only a ``.tmp`` file, which no read opens and ``scan`` deletes.
+fsync policy (``fsync``): ``"never"`` (the default) calls no fsync — a crash of the
+process cannot leave a torn chunk under a final name, and a power loss can (the rename
+may reach the disk before the data), but every read verifies the header and the xxh3
+checksum, so a torn chunk is a miss, never a load; the price is only lost hits after a
+power loss. ``"always"`` fdatasyncs the file before the rename and fsyncs the directory
+after it, for chunks that survive power loss (each write then waits for the device).
+
+Failures are misses, never errors the caller must handle: a full disk (ENOSPC,
+EDQUOT), an I/O error, a permission or read-only error skip the store (counted in
+:class:`DiskStatistics`, logged once per kind); a chunk that fails verification is
+counted by the check that failed, logged once per check, deleted, and never loaded; a
+chunk of another fingerprint found under our name is counted and left alone.
+
+I/O: with ``O_DIRECT`` where the file system takes it (probed at start: a file opened and
+written with ``O_DIRECT`` in the store's directory; ``EINVAL`` means buffered I/O), from
+and into aligned memory: a payload at an aligned address is written and read in place
+(one ``pwritev`` / ``preadv`` with the header), anything else goes through a bounce
+buffer. Files are always padded to :data:`~._format.ALIGNMENT`, so either mode reads
+the other's files.
+
+Who owns what: the index (key -> bytes on disk) and the counters are guarded by one
+lock; ``read``, ``write``, ``delete`` may be called from several threads at once (the
+disk actor runs them in worker threads). ``scan`` is called once, at start, before any
+other call.
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import itertools
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal, TypeAlias
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+import xxhash
+from typing_extensions import Buffer
+
+from .._errors import ConfigError
+from .._logging import get_logger
+from ._format import (
+    ALIGNMENT,
+    FORMAT_VERSION,
+    HEADER_SIZE,
+    MAX_KEY_BYTES,
+    ChunkCorrupt,
+    ChunkForeign,
+    ChunkHeader,
+    Fingerprint,
+    decode_header,
+    file_size,
+    padded,
+    payload_checksum,
+)
+
+FANOUT_HEX_DIGITS = 2
+_SUFFIX = ".kvc"
+_TEMP_SUFFIX = ".tmp"
+_O_DIRECT: int = getattr(os, "O_DIRECT", 0)
+
+SCAN_PROGRESS_EVERY_S = 5.0
+"""A ``disk_scan_progress`` line at most this often while a scan runs."""
+
+
+class Outcome(enum.IntEnum):
+    """What happened to one chunk (an int8 in the actors' result arrays)."""
+
+    OK = 0
+    """Read: loaded and verified. Write: stored."""
+    ABSENT = 1
+    """Read: not in the index, or the file is gone."""
+    CORRUPT = 2
+    """Read: failed verification; the file was deleted."""
+    FOREIGN = 3
+    """Read: another fingerprint's chunk; left on disk, dropped from the index."""
+    IO_ERROR = 4
+    """Read or write: the file system failed (EIO, ...)."""
+    FULL = 5
+    """Write: ``bytes_to_use`` would be exceeded."""
+    NO_SPACE = 6
+    """Write: the file system is full (ENOSPC, EDQUOT)."""
+    DENIED = 7
+    """Write: not allowed (EACCES, EPERM, EROFS)."""
+    DROPPED = 8
+    """Write: dropped before it started (the disk actor's write queue was full)."""
+    ABORTED = 9
+    """Not done: the disk actor stopped first."""
+
+
+_ERRNO_OUTCOME = {
+    errno.ENOSPC: Outcome.NO_SPACE,
+    errno.EDQUOT: Outcome.NO_SPACE,
+    errno.EACCES: Outcome.DENIED,
+    errno.EPERM: Outcome.DENIED,
+    errno.EROFS: Outcome.DENIED,
+}
+
+
+class FileOps:
+    """The operating-system calls a :class:`DiskStore` makes, in one place: tests
+    subclass it to inject faults (ENOSPC, EIO) at the ``os`` level."""
+
+    def open(self, path: str, flags: int, mode: int = 0o644) -> int:
+        return os.open(path, flags, mode)
+
+    def pwritev(self, fd: int, buffers: list[memoryview], offset: int) -> int:
+        return os.pwritev(fd, buffers, offset)
+
+    def preadv(self, fd: int, buffers: list[memoryview], offset: int) -> int:
+        return os.preadv(fd, buffers, offset)
+
+    def fdatasync(self, fd: int) -> None:
+        os.fdatasync(fd)
+
+    def close(self, fd: int) -> None:
+        os.close(fd)
+
+    def rename(self, src: str, dst: str) -> None:
+        os.rename(src, dst)
+
+    def unlink(self, path: str) -> None:
+        os.unlink(path)
+
+    def fsync_dir(self, path: str) -> None:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def aligned_buffer(nbytes: int) -> npt.NDArray[np.uint8]:
+    """A zeroed uint8 array of ``nbytes`` at an :data:`ALIGNMENT`-aligned address."""
+    raw = np.zeros(nbytes + ALIGNMENT, dtype=np.uint8)
+    start = (-raw.ctypes.data) % ALIGNMENT
+    return raw[start : start + nbytes]
+
+
+def _byte_view(buf: BufferLike, *, writable: bool) -> memoryview:
+    view = buf.data if isinstance(buf, np.ndarray) else memoryview(buf)
+    if not view.c_contiguous:
+        raise ValueError("a chunk's buffer must be contiguous")
+    if writable and view.readonly:
+        raise ValueError("the buffer to read a chunk into is read-only")
+    return view if view.ndim == 1 and view.format == "B" else view.cast("B")
+
+
+def _address(view: memoryview) -> int:
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
+def _advance(buffers: list[memoryview], nbytes: int) -> list[memoryview]:
+    out: list[memoryview] = []
+    for b in buffers:
+        if nbytes >= len(b):
+            nbytes -= len(b)
+            continue
+        out.append(b[nbytes:])
+        nbytes = 0
+    return out
+
+
+@attrs.frozen(kw_only=True)
+class ScanReport:
+    """What :meth:`DiskStore.scan` found."""
+
+    chunks: int
+    bytes: int
+    temp_removed: int
+    """``.tmp`` files of writers that died mid-chunk: deleted."""
+    corrupt_removed: int
+    """Chunks whose size (or, with ``verify_headers``, header) cannot be valid: deleted."""
+    foreign_namespaces: int
+    """Directories of other fingerprints beside ours: not read, not deleted."""
+    foreign_chunks: int
+    """With ``verify_headers``: chunks under our name written by another fingerprint
+    (left on disk, not indexed)."""
+    ignored: int
+    """Files that are not chunk files (other names): left alone."""
+    complete: bool
+    """False when the scan stopped at its budget (see :meth:`DiskStore.scan`)."""
+    seconds: float
+
+
+@attrs.frozen(kw_only=True)
+class DiskStatistics:
+    """A snapshot of a :class:`DiskStore`'s counters."""
+
+    chunks: int
+    used_bytes: int
+    capacity_bytes: int
+    direct_io: bool
+    writes: int
+    bytes_written: int
+    reads: int
+    bytes_read: int
+    absent: int
+    corrupt: int
+    corrupt_by_check: tuple[tuple[str, int], ...]
+    foreign: int
+    read_errors: int
+    writes_skipped: int
+    writes_skipped_by_outcome: tuple[tuple[str, int], ...]
+    deleted: int
+
+
+FsyncPolicy = Literal["never", "always"]
+
+BufferLike: TypeAlias = Buffer | npt.NDArray[Any]
+"""A contiguous buffer: bytes, a memoryview, a numpy array (a host pool slot's rows)."""
+
+
+class DiskStore:
+    """A directory of chunk files for one engine (one :class:`Fingerprint`).
+
+    ``tier_index`` is the tier's place in the configuration: errors about ``path`` and
+    ``bytes_to_use`` name the keys ``tiers[i].path`` and ``tiers[i].bytes_to_use``
+    (:class:`~kvferry.ConfigError`). ``direct``: None probes O_DIRECT, False never uses
+    it, True requires it. ``ops`` replaces the operating-system calls (tests).
+
+    The index is empty until :meth:`scan` (call it once at start, off the event loop).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        bytes_to_use: int,
+        fingerprint: Fingerprint,
+        *,
+        tier_index: int = 0,
+        fsync: FsyncPolicy = "never",
+        direct: bool | None = None,
+        ops: FileOps | None = None,
+    ) -> None:
+        path_key = f"tiers[{tier_index}].path"
+        size_key = f"tiers[{tier_index}].bytes_to_use"
+        if isinstance(bytes_to_use, bool) or not isinstance(bytes_to_use, int):
+            raise ConfigError(size_key, f"must be a whole number of bytes, got {bytes_to_use!r}")
+        if bytes_to_use < file_size(1):
+            raise ConfigError(
+                size_key, f"must hold at least one chunk ({file_size(1)} bytes), got {bytes_to_use}"
+            )
+        if fsync not in ("never", "always"):
+            raise ConfigError(f"tiers[{tier_index}].fsync", f"'never' or 'always', got {fsync!r}")
+        self.fingerprint = fingerprint
+        self.capacity_bytes = bytes_to_use
+        self.fsync: FsyncPolicy = fsync
+        self._ops = ops or FileOps()
+        self._log = get_logger("kvferry.tiers", tier=tier_index)
+        self.root = Path(os.fspath(path))
+        self.namespace = self.root / f"kvferry-v{FORMAT_VERSION}" / fingerprint.digest.hex()
+        try:
+            self.namespace.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(path_key, f"cannot create {self.namespace}: {exc}") from exc
+        total = os.statvfs(self.namespace)
+        fs_bytes = total.f_frsize * total.f_blocks
+        if bytes_to_use > fs_bytes:
+            raise ConfigError(
+                size_key, f"{bytes_to_use} bytes asked, but the file system holds {fs_bytes}"
+            )
+        self.direct_io = self._probe(path_key, direct)
+        self._write_description(path_key)
+        self._make_fan_directories(path_key)
+
+        self._lock = threading.Lock()
+        self._index: dict[bytes, int] = {}
+        self._used = 0
+        self._reserved = 0
+        self._temp_names = itertools.count()
+        self._local = threading.local()
+        self._logged: set[str] = set()
+        self._counts: dict[str, int] = dict.fromkeys(
+            (
+                "writes",
+                "bytes_written",
+                "reads",
+                "bytes_read",
+                "absent",
+                "foreign",
+                "read_errors",
+                "deleted",
+            ),
+            0,
+        )
+        self._corrupt: dict[str, int] = {}
+        self._skipped: dict[str, int] = {}
+
+    # ---------------------------------------------------------------- start
+
+    def _probe(self, path_key: str, direct: bool | None) -> bool:
+        """Whether O_DIRECT works here; a :class:`ConfigError` if nothing can be written."""
+        probe = str(self.namespace / f".probe.{os.getpid()}{_TEMP_SUFFIX}")
+        want_direct = direct is not False and _O_DIRECT != 0
+        block = aligned_buffer(ALIGNMENT)
+        for use_direct in (True, False) if want_direct else (False,):
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (_O_DIRECT if use_direct else 0)
+            try:
+                fd = self._ops.open(probe, flags)
+                try:
+                    self._ops.pwritev(fd, [block.data], 0)
+                finally:
+                    self._ops.close(fd)
+            except OSError as exc:
+                if use_direct and exc.errno == errno.EINVAL:
+                    continue  # the file system does not take O_DIRECT
+                raise ConfigError(path_key, f"cannot write in {self.namespace}: {exc}") from exc
+            finally:
+                try:
+                    os.unlink(probe)
+                except OSError:
+                    pass
+            if direct is True and not use_direct:
+                raise ConfigError(path_key, f"{self.root} does not take O_DIRECT")
+            return use_direct
+        if direct is True:
+            raise ConfigError(path_key, f"{self.root} does not take O_DIRECT")
+        return False
+
+    def _make_fan_directories(self, path_key: str) -> None:
+        have = {e.name for e in os.scandir(self.namespace)}
+        for i in range(16**FANOUT_HEX_DIGITS):
+            name = f"{i:0{FANOUT_HEX_DIGITS}x}"
+            if name in have:
+                continue
+            try:
+                os.mkdir(self.namespace / name)
+            except FileExistsError:
+                pass  # another process sharing the namespace made it meanwhile
+            except OSError as exc:
+                raise ConfigError(
+                    path_key, f"cannot create directories in {self.namespace}: {exc}"
+                ) from exc
+
+    def _write_description(self, path_key: str) -> None:
+        target = self.namespace / "fingerprint.json"
+        if target.exists():
+            return
+        tmp = self.namespace / f"fingerprint.json.{os.getpid()}{_TEMP_SUFFIX}"
+        try:
+            tmp.write_bytes(self.fingerprint.canonical())
+            os.replace(tmp, target)
+        except OSError as exc:
+            raise ConfigError(path_key, f"cannot write in {self.namespace}: {exc}") from exc
+
+    def scan(
+        self,
+        *,
+        budget_s: float = 60.0,
+        max_entries: int = 10_000_000,
+        verify_headers: bool = False,
+    ) -> ScanReport:
+        """Rebuild the index from the files (warm restart); call once, at start.
+
+        Bounded: it stops after ``budget_s`` seconds or ``max_entries`` directory
+        entries, whichever comes first, and says so (``complete=False``, a warning in the
+        log); the files it did not reach stay on disk, unindexed and unaccounted, until a
+        later scan (they are never loaded). A ``disk_scan_progress`` line is logged at
+        most every :data:`SCAN_PROGRESS_EVERY_S` seconds, then ``disk_scan_finished``.
+
+        By default it trusts file names and sizes (a ``stat`` per file, no read): every
+        read verifies the chunk anyway. ``verify_headers`` also reads each header (one
+        aligned block per file), deletes chunks that fail and skips other fingerprints'.
+        """
+        start = time.monotonic()
+        last_progress = start
+        entries = 0
+        temp = corrupt = foreign = ignored = 0
+        complete = True
+        index: dict[bytes, int] = {}
+        self._log.info("disk_scan_started", path=str(self.namespace), budget_s=budget_s)
+        parent = self.namespace.parent
+        own = self.namespace.name
+        foreign_namespaces = sum(
+            1 for e in os.scandir(parent) if e.is_dir(follow_symlinks=False) and e.name != own
+        )
+        for fan, entry in self._entries():
+            entries += 1
+            now = time.monotonic()
+            if now - start > budget_s or entries > max_entries:
+                complete = False
+                break
+            if now - last_progress >= SCAN_PROGRESS_EVERY_S:
+                last_progress = now
+                self._log.info(
+                    "disk_scan_progress",
+                    entries=entries,
+                    chunks=len(index),
+                    seconds=round(now - start, 1),
+                )
+            name = entry.name
+            if name.endswith(_TEMP_SUFFIX):
+                self._unlink(entry.path)
+                temp += 1
+                continue
+            key = self._key_of(fan, name)
+            if key is None:
+                ignored += 1
+                continue
+            try:
+                size = entry.stat(follow_symlinks=False).st_size
+            except OSError:
+                continue  # gone meanwhile
+            if size < file_size(1) or size % ALIGNMENT:
+                self._unlink(entry.path)
+                corrupt += 1
+                continue
+            if verify_headers:
+                try:
+                    self._verify_header(entry.path, key, size)
+                except ChunkForeign:
+                    foreign += 1
+                    continue
+                except ChunkCorrupt:
+                    self._unlink(entry.path)
+                    corrupt += 1
+                    continue
+                except OSError:
+                    continue
+            index[key] = size
+        with self._lock:
+            self._index = index
+            self._used = sum(index.values())
+        report = ScanReport(
+            chunks=len(index),
+            bytes=self._used,
+            temp_removed=temp,
+            corrupt_removed=corrupt,
+            foreign_namespaces=foreign_namespaces,
+            foreign_chunks=foreign,
+            ignored=ignored,
+            complete=complete,
+            seconds=time.monotonic() - start,
+        )
+        log = self._log.info if complete else self._log.warning
+        log("disk_scan_finished", **attrs.asdict(report))
+        if self._used > self.capacity_bytes:
+            self._log.warning(
+                "disk_tier_over_capacity", used=self._used, capacity=self.capacity_bytes
+            )
+        return report
+
+    def _entries(self) -> Iterator[tuple[str, os.DirEntry[str]]]:
+        for fan in sorted(os.scandir(self.namespace), key=lambda e: e.name):
+            if not fan.is_dir(follow_symlinks=False) or len(fan.name) != FANOUT_HEX_DIGITS:
+                continue
+            with os.scandir(fan.path) as it:
+                for entry in it:
+                    yield fan.name, entry
+
+    @staticmethod
+    def _key_of(fan: str, name: str) -> bytes | None:
+        if not name.endswith(_SUFFIX):
+            return None
+        try:
+            key = bytes.fromhex(name[: -len(_SUFFIX)])
+        except ValueError:
+            return None
+        if not 0 < len(key) <= MAX_KEY_BYTES or _fan(key) != fan:
+            return None
+        return key
+
+    def _verify_header(self, path: str, key: bytes, size: int) -> None:
+        header = self._thread_buffers()[0]
+        fd = self._ops.open(path, os.O_RDONLY | (_O_DIRECT if self.direct_io else 0))
+        try:
+            got = self._ops.preadv(fd, [header], 0)
+        finally:
+            self._ops.close(fd)
+        if got < HEADER_SIZE:
+            raise ChunkCorrupt("length", f"{got} header bytes")
+        decoded = decode_header(header, fingerprint=self.fingerprint.digest, key=key)
+        if file_size(decoded.payload_length) != size:
+            raise ChunkCorrupt("length", f"file of {size} bytes for {decoded.payload_length}")
+
+    # ---------------------------------------------------------------- I/O
+
+    def path_of(self, key: bytes) -> Path:
+        """Where ``key``'s chunk lives (whether or not it is there)."""
+        return self.namespace / _fan(key) / (key.hex() + _SUFFIX)
+
+    def _thread_buffers(self) -> tuple[memoryview, memoryview]:
+        """This thread's aligned header block and tail block."""
+        bufs: tuple[memoryview, memoryview] | None = getattr(self._local, "bufs", None)
+        if bufs is None:
+            bufs = (aligned_buffer(HEADER_SIZE).data, aligned_buffer(ALIGNMENT).data)
+            self._local.bufs = bufs
+        return bufs
+
+    def _bounce(self, nbytes: int) -> memoryview:
+        bounce: memoryview | None = getattr(self._local, "bounce", None)
+        if bounce is None or len(bounce) < nbytes:
+            bounce = aligned_buffer(nbytes).data
+            self._local.bounce = bounce
+        return bounce[:nbytes]
+
+    def _segments(self, body: memoryview) -> tuple[list[memoryview], memoryview | None, int]:
+        """The aligned buffers that carry ``body`` padded to the alignment: in place where
+        it can be, else through this thread's bounce memory, which stands for
+        ``body[start:]`` (bounce None: all in place)."""
+        n = len(body)
+        if _address(body) % ALIGNMENT:
+            bounce = self._bounce(padded(n))
+            return [bounce], bounce, 0
+        whole = n - n % ALIGNMENT
+        if whole == n:
+            return [body], None, n
+        tail = self._thread_buffers()[1]
+        return ([body[:whole], tail] if whole else [tail]), tail, whole
+
+    def write(self, key: bytes, payload: BufferLike) -> Outcome:
+        """Store ``payload`` (a contiguous buffer) as ``key``'s chunk; replaces any.
+
+        Returns :attr:`Outcome.OK`, or the reason it was skipped (never raises for a
+        file-system failure): ``FULL`` (``bytes_to_use``), ``NO_SPACE``, ``DENIED``,
+        ``IO_ERROR``. A skipped store is only a future miss.
+        """
+        if not 0 < len(key) <= MAX_KEY_BYTES:
+            raise ValueError(f"a key is 1 to {MAX_KEY_BYTES} bytes, got {len(key)}")
+        body = _byte_view(payload, writable=False)
+        n = len(body)
+        if n == 0:
+            raise ValueError("an empty chunk")
+        size = file_size(n)
+        with self._lock:
+            if self._used + self._reserved + size > self.capacity_bytes:
+                self._skip(Outcome.FULL, None)
+                return Outcome.FULL
+            self._reserved += size
+        final = self.path_of(key)
+        tmp = f"{final.parent}/{key.hex()}.{os.getpid()}.{next(self._temp_names)}{_TEMP_SUFFIX}"
+        try:
+            header = self._thread_buffers()[0]
+            header[:] = ChunkHeader(
+                fingerprint=self.fingerprint.digest,
+                key=key,
+                payload_length=n,
+                payload_checksum=payload_checksum(body),
+            ).encode()
+            segments, bounce, start = self._segments(body)
+            if bounce is not None:
+                bounce[: n - start] = body[start:]
+                bounce[n - start :] = bytes(len(bounce) - (n - start))
+            self._write_file(tmp, [header, *segments])
+            self._ops.rename(tmp, str(final))
+            if self.fsync == "always":
+                self._ops.fsync_dir(str(final.parent))
+        except OSError as exc:
+            self._unlink(tmp)
+            outcome = _ERRNO_OUTCOME.get(exc.errno or 0, Outcome.IO_ERROR)
+            with self._lock:
+                self._reserved -= size
+                self._skip(outcome, exc)
+            return outcome
+        with self._lock:
+            self._reserved -= size
+            self._used += size - self._index.get(key, 0)
+            self._index[key] = size
+            self._counts["writes"] += 1
+            self._counts["bytes_written"] += n
+        return Outcome.OK
+
+    def _write_file(self, tmp: str, buffers: list[memoryview]) -> None:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (_O_DIRECT if self.direct_io else 0)
+        try:
+            fd = self._ops.open(tmp, flags)
+        except FileNotFoundError:
+            os.makedirs(os.path.dirname(tmp), exist_ok=True)
+            fd = self._ops.open(tmp, flags)
+        try:
+            offset = 0
+            while buffers:
+                done = self._ops.pwritev(fd, buffers, offset)
+                if done <= 0:
+                    raise OSError(errno.EIO, "a write made no progress")
+                offset += done
+                buffers = _advance(buffers, done)
+            if self.fsync == "always":
+                self._ops.fdatasync(fd)
+        finally:
+            self._ops.close(fd)
+
+    def read(self, key: bytes, into: BufferLike) -> Outcome:
+        """Load ``key``'s chunk into ``into`` (writable, contiguous, exactly the chunk's
+        length) and verify it: :attr:`Outcome.OK` only when the header (magic, version,
+        fingerprint, key, length) and the payload's checksum all match.
+
+        Otherwise a miss: ``ABSENT``; ``CORRUPT`` (counted by check, the file deleted);
+        ``FOREIGN`` (another fingerprint: counted, left on disk); ``IO_ERROR``. After a
+        miss ``into`` holds nothing valid.
+        """
+        body = _byte_view(into, writable=True)
+        n = len(body)
+        with self._lock:
+            if key not in self._index:
+                self._counts["absent"] += 1
+                return Outcome.ABSENT
+        path = str(self.path_of(key))
+        try:
+            fd = self._ops.open(path, os.O_RDONLY | (_O_DIRECT if self.direct_io else 0))
+        except FileNotFoundError:
+            self._forget(key, "absent")
+            return Outcome.ABSENT
+        except OSError as exc:
+            return self._read_failed(key, exc)
+        header = self._thread_buffers()[0]
+        segments, bounce, start = self._segments(body)
+        try:
+            try:
+                got = self._read_file(fd, [header, *segments])
+            finally:
+                self._ops.close(fd)
+        except OSError as exc:
+            return self._read_failed(key, exc)
+        try:
+            if got < HEADER_SIZE:
+                raise ChunkCorrupt("length", f"file of {got} bytes")
+            decoded = decode_header(
+                header, fingerprint=self.fingerprint.digest, key=key, payload_length=n
+            )
+            if got < file_size(n):
+                raise ChunkCorrupt("length", f"file of {got} bytes, {file_size(n)} expected")
+            if bounce is not None:
+                body[start:] = bounce[: n - start]
+            if payload_checksum(body) != decoded.payload_checksum:
+                raise ChunkCorrupt("checksum", "payload bytes do not match their checksum")
+        except ChunkForeign as exc:
+            self._forget(key, "foreign")
+            self._log_once("foreign", "disk_chunk_foreign", key=key.hex(), error=str(exc))
+            return Outcome.FOREIGN
+        except ChunkCorrupt as exc:
+            with self._lock:
+                self._corrupt[exc.field] = self._corrupt.get(exc.field, 0) + 1
+            self._forget(key, None)
+            self._unlink(path)
+            self._log_once(
+                f"corrupt:{exc.field}", "disk_chunk_corrupt", key=key.hex(), error=str(exc)
+            )
+            return Outcome.CORRUPT
+        with self._lock:
+            self._counts["reads"] += 1
+            self._counts["bytes_read"] += n
+        return Outcome.OK
+
+    def _read_file(self, fd: int, buffers: list[memoryview]) -> int:
+        offset = 0
+        while buffers:
+            done = self._ops.preadv(fd, buffers, offset)
+            if done <= 0:
+                break  # end of file
+            offset += done
+            buffers = _advance(buffers, done)
+            if self.direct_io and offset % ALIGNMENT:
+                break  # a short direct read ends at the end of the file
+        return offset
+
+    def _read_failed(self, key: bytes, exc: OSError) -> Outcome:
+        self._forget(key, "read_errors")
+        self._unlink(str(self.path_of(key)))
+        self._log_once(f"read:{exc.errno}", "disk_read_failed", key=key.hex(), error=repr(exc))
+        return Outcome.IO_ERROR
+
+    def delete(self, key: bytes) -> bool:
+        """Remove ``key``'s chunk; False if it was not in the index."""
+        if not self._forget(key, "deleted"):
+            return False
+        self._unlink(str(self.path_of(key)))
+        return True
+
+    def _forget(self, key: bytes, counter: str | None) -> bool:
+        with self._lock:
+            size = self._index.pop(key, None)
+            if size is not None:
+                self._used -= size
+            if counter is not None:
+                self._counts[counter] += 1
+        return size is not None
+
+    def _unlink(self, path: str) -> None:
+        try:
+            self._ops.unlink(path)
+        except OSError:
+            pass
+
+    def _skip(self, outcome: Outcome, exc: OSError | None) -> None:
+        """Count a skipped store (the caller holds the lock) and log its kind once."""
+        self._skipped[outcome.name] = self._skipped.get(outcome.name, 0) + 1
+        self._log_once(
+            f"skip:{outcome.name}",
+            "disk_store_skipped",
+            reason=outcome.name,
+            error=repr(exc) if exc is not None else None,
+            used=self._used,
+            capacity=self.capacity_bytes,
+        )
+
+    def _log_once(self, kind: str, event: str, **fields: Any) -> None:
+        if kind in self._logged:
+            self._log.debug(event, **fields)
+            return
+        self._logged.add(kind)
+        self._log.warning(event, **fields, note="logged once; later ones are counted")
+
+    # ---------------------------------------------------------------- state
+
+    def __contains__(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self._index
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._index)
+
+    def keys(self) -> list[bytes]:
+        with self._lock:
+            return list(self._index)
+
+    @property
+    def used_bytes(self) -> int:
+        with self._lock:
+            return self._used
+
+    def statistics(self) -> DiskStatistics:
+        with self._lock:
+            c = self._counts
+            return DiskStatistics(
+                chunks=len(self._index),
+                used_bytes=self._used,
+                capacity_bytes=self.capacity_bytes,
+                direct_io=self.direct_io,
+                writes=c["writes"],
+                bytes_written=c["bytes_written"],
+                reads=c["reads"],
+                bytes_read=c["bytes_read"],
+                absent=c["absent"],
+                corrupt=sum(self._corrupt.values()),
+                corrupt_by_check=tuple(sorted(self._corrupt.items())),
+                foreign=c["foreign"],
+                read_errors=c["read_errors"],
+                writes_skipped=sum(self._skipped.values()),
+                writes_skipped_by_outcome=tuple(sorted(self._skipped.items())),
+                deleted=c["deleted"],
+            )
+
+
+def _fan(key: bytes) -> str:
+    return f"{xxhash.xxh3_64_intdigest(key) >> (64 - 4 * FANOUT_HEX_DIGITS):0{FANOUT_HEX_DIGITS}x}"
