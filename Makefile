@@ -11,7 +11,7 @@ FPY := $(FLOOR)/bin/python
 FLOOR_STAMP := $(FLOOR)/.kvferry-installed
 # Left out: the CUDA path's tests, which run the Triton kernel in Triton's interpreter
 # (Triton comes with vLLM or a CUDA build of torch; it is no dependency of kvferry).
-FLOOR_TESTS := tests/actors tests/cache tests/transfer tests/traces tests/examples \
+FLOOR_TESTS := tests/actors tests/cache tests/transfer tests/traces tests/tiers tests/examples \
 	tests/test_ferry.py tests/test_private_api.py --ignore=tests/transfer/test_cuda_engine.py \
 	-k "not cuda-logic and not test_every_path_writes_the_same_host_rows"
 
