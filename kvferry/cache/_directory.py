@@ -164,6 +164,26 @@ class Directory:
 
     def complete_load(self, slots: npt.ArrayLike) -> None:
         """Unpin the slots of a finished (or failed) load."""
+        self.loads_completed += self.unpin(slots)
+
+    def lease(self, keys: Sequence[Key]) -> I64:
+        """Pin each READY key of ``keys`` (others are skipped); returns the pinned slots.
+
+        A lookup's hit is leased until the engine allocates its blocks (then
+        :meth:`prepare_load` pins it for the load) or gives up (:meth:`unpin`), so that no
+        eviction comes in between. A lease is recency for the policy, not a reuse.
+        """
+        get, st, pins = self._slot_of.get, self._st, self._pn
+        slots = [s for key in keys if (s := get(key, -1)) >= 0 and st[s] == READY]
+        for s in slots:
+            pins[s] += 1
+        out = np.array(slots, np.int64)
+        if slots:
+            self.policy.touch(out)
+        return out
+
+    def unpin(self, slots: npt.ArrayLike) -> int:
+        """Release one pin of each of ``slots`` (a load's or a lease's); returns how many."""
         st, pins = self._st, self._pn
         freed = []
         n = 0
@@ -174,10 +194,10 @@ class Directory:
             n += 1
             if state == READY_DROPPED and pins[s] == 0:  # a reset dropped it: free it now
                 freed.append(s)
-        self.loads_completed += n
         self._stuck = False
         if freed:
             self._release(np.array(freed, np.int64))
+        return n
 
     def touch(self, keys: Sequence[Key]) -> None:
         """A request finished with these keys (head first): recency for the policy."""

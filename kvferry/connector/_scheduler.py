@@ -39,12 +39,13 @@ from ..cache import (
     DirectoryMsg,
     DirectoryStatistics,
     GetStatistics,
-    Lookup,
-    LookupEach,
+    Lease,
+    LookupAndPin,
     PrepareLoad,
     PrepareStore,
     ResetCache,
     TakeEvents,
+    Unpin,
     spawn_host_tier,
     to_vllm_events,
 )
@@ -164,7 +165,7 @@ def windowed_hit(ready: npt.NDArray[np.bool_], windows: tuple[int | None, ...]) 
                 end = start + int(np.flatnonzero(~window)[-1])
                 break
         else:
-            return end
+            return int(end)
     return 0
 
 
@@ -271,7 +272,7 @@ class SchedulerSide:
         self._pending_loads: list[JobSpec] = []
         self._pending_stores: list[JobSpec] = []
         self._pending_releases: list[str] = []
-        self._c = dict.fromkeys(
+        self._c: dict[str, Any] = dict.fromkeys(
             (
                 "tokens_looked_up",
                 "tokens_hit",
@@ -303,6 +304,9 @@ class SchedulerSide:
         self._group_suffixes = [g.to_bytes(4, "big") for g in range(self.geometry.num_groups)]
         self._loading: dict[bytes, int] = {}
         """Key -> loads in flight filling it."""
+        self._leases: dict[str, npt.NDArray[np.int64]] = {}
+        """Request -> the slots its last lookup pinned, until its blocks are allocated (or
+        this schedule pass ends without it)."""
         num_slots = self.geometry.num_slots
 
         kv_events = getattr(vllm_config, "kv_events_config", None)
@@ -386,12 +390,16 @@ class SchedulerSide:
         first = num_computed_tokens // ct
         keys = self._keys(request, first, n_chunks)
         t0 = time.time_ns()
+        # The hit is pinned (leased) in the same message that finds it: nothing may evict
+        # it before update_state_after_alloc turns the lease into the load's pins, and the
+        # lease ends with this schedule() pass (build_connector_meta) if it does not.
+        self._release_lease(request.request_id)
+        lease: Lease = self._ask(lambda r: LookupAndPin(keys=tuple(keys), each=geo.hybrid, reply=r))
         if geo.hybrid:
-            ready = self._ask(lambda r: LookupEach(keys=tuple(keys), reply=r))
+            ready = lease.ready if lease.ready is not None else np.zeros(0, np.bool_)
             hit_chunks = first + windowed_hit(ready.reshape(-1, geo.num_groups), geo.windows)
         else:
-            n_ready = self._ask(lambda r: Lookup(keys=tuple(keys), reply=r))
-            hit_chunks = first + n_ready // geo.num_groups
+            hit_chunks = first + lease.leading // geo.num_groups
         asked = n_chunks * ct - num_computed_tokens
         new_tokens = hit_chunks * ct - num_computed_tokens
         self.trace.lookup(
@@ -406,6 +414,7 @@ class SchedulerSide:
         st.counts = (asked, max(new_tokens, 0))
         if new_tokens <= 0:
             st.lookup = None
+            self._unpin(lease.slots)
             return 0, False
         if self._loading and any(
             k in self._loading for k in keys[: (hit_chunks - first) * geo.num_groups]
@@ -415,8 +424,11 @@ class SchedulerSide:
             # them twice (vLLM asks again next step).
             st.lookup = st.counts = None
             self._c["lookups_deferred"] += 1
+            self._unpin(lease.slots)
             return None, False
         st.lookup = (num_computed_tokens, hit_chunks)
+        if len(lease.slots):
+            self._leases[request.request_id] = lease.slots
         return new_tokens, True
 
     def update_state_after_alloc(
@@ -432,8 +444,11 @@ class SchedulerSide:
             self._c["tokens_looked_up"] += asked
             self._c["tokens_hit"] += hit
             self._c["tokens_missed"] += asked - hit
+        lease = self._leases.pop(request.request_id, None)
         if num_external_tokens == 0:
             st.lookup = None
+            if lease is not None:
+                self._unpin(lease)
             return
         assert st.lookup is not None, "update_state_after_alloc without a matching lookup"
         assert st.load_job is None, "a second load for a request with one in flight"
@@ -459,11 +474,13 @@ class SchedulerSide:
                 wanted[np.unique(blk[live] // bpc - first_chunk), g] = True
         all_keys = self._keys(request, first_chunk, hit_chunks)
         keys = [k for k, w in zip(all_keys, wanted.ravel().tolist(), strict=True) if w]
-        found = self._ask(lambda r: PrepareLoad(keys=tuple(keys), reply=r))
+        release = lease if lease is not None else np.zeros(0, np.int64)
+        found = self._ask(lambda r: PrepareLoad(keys=tuple(keys), release=release, reply=r))
         job_id = self._new_job_id()
         if found is None:
-            # Cannot happen while this thread is the directory's only client; if it does,
-            # the load fails cleanly and vLLM recomputes.
+            # The lookup's lease kept these keys READY since; only a reset in between
+            # (which vLLM does not do inside one schedule pass) gets here. The load fails
+            # cleanly and vLLM recomputes.
             self._log.error("load_keys_vanished", req_id=request.request_id)
             self.trace.failed(reason="load keys vanished", req_id=request.request_id)
             found = np.full(len(keys), -1, dtype=np.int64)
@@ -507,6 +524,12 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVFerryMetadata:
         from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
+
+        # Leases of lookups whose requests vLLM did not allocate in this schedule pass
+        # (no free blocks, a budget, an abort): it asks again in a later step.
+        if self._leases:
+            leases, self._leases = self._leases, {}
+            self._unpin(np.concatenate(list(leases.values())))
 
         reused: set[int] = set()
         for req_id, new_block_ids, resumed in yield_req_data(scheduler_output):
@@ -573,6 +596,7 @@ class SchedulerSide:
         if st is None:
             return False, None
         st.finished = True
+        self._release_lease(request.request_id)
         self.trace.request_finished(request.request_id)
         info: dict[str, Any] = {"tokens_loaded": st.tokens_loaded}
         if st.error is not None:
@@ -766,6 +790,15 @@ class SchedulerSide:
 
     def directory_tell(self, msg: DirectoryMsg) -> None:
         self.runtime.call(self.directory.tell, msg)
+
+    def _unpin(self, slots: npt.NDArray[np.int64]) -> None:
+        if len(slots):
+            self.directory_tell(Unpin(slots=slots))
+
+    def _release_lease(self, req_id: str) -> None:
+        lease = self._leases.pop(req_id, None)
+        if lease is not None:
+            self._unpin(lease)
 
     def _ack(self, meta: KVFerryWorkerMetadata) -> None:
         for key, value in meta.stats.items():
