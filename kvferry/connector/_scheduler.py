@@ -20,7 +20,7 @@ sliding-window block while its request still runs; a store still reading one is 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -254,13 +254,23 @@ class _Job:
     """Sliding-window blocks this store reads, which vLLM may free before it ends."""
     keys: tuple[bytes, ...] = ()
     """The keys a load fills (another request needing them waits for it)."""
+    deadline: float = float("inf")
+    """For a load: when, unacknowledged, it is ended as failed (``job_timeout_s``)."""
 
 
 class SchedulerSide:
+    """``clock``: seconds, monotonic; load deadlines are measured on it (tests inject one)."""
+
     def __init__(
-        self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg: FerryConfig
+        self,
+        vllm_config: VllmConfig,
+        kv_cache_config: KVCacheConfig,
+        cfg: FerryConfig,
+        *,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.cfg = cfg
+        self._clock = clock
         self.world_size = vllm_config.parallel_config.world_size
         self.geometry = plan_geometry(
             cfg, kv_cache_config, vllm_config.cache_config.block_size, self.world_size
@@ -304,6 +314,9 @@ class SchedulerSide:
         self._group_suffixes = [g.to_bytes(4, "big") for g in range(self.geometry.num_groups)]
         self._loading: dict[bytes, int] = {}
         """Key -> loads in flight filling it."""
+        self._expired: dict[int, _Job] = {}
+        """Loads ended at their deadline whose workers have not all reported yet."""
+        self._pending_failed_loads: list[int] = []
         self._leases: dict[str, npt.NDArray[np.int64]] = {}
         """Request -> the slots its last lookup pinned, until its blocks are allocated (or
         this schedule pass ends without it)."""
@@ -502,6 +515,7 @@ class SchedulerSide:
             slots=slots,
             tokens=num_external_tokens,
             keys=tuple(keys),
+            deadline=self._clock() + self.cfg.job_timeout_s,
         )
         for k in keys:
             self._loading[k] = self._loading.get(k, 0) + 1
@@ -530,6 +544,7 @@ class SchedulerSide:
         if self._leases:
             leases, self._leases = self._leases, {}
             self._unpin(np.concatenate(list(leases.values())))
+        self._expire_loads()
 
         reused: set[int] = set()
         for req_id, new_block_ids, resumed in yield_req_data(scheduler_output):
@@ -572,8 +587,10 @@ class SchedulerSide:
             stores=self._pending_stores,
             flush_job_ids=sorted(flush),
             release_req_ids=self._pending_releases,
+            failed_load_job_ids=self._pending_failed_loads,
         )
         self._pending_loads, self._pending_stores, self._pending_releases = [], [], []
+        self._pending_failed_loads = []
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
@@ -679,7 +696,11 @@ class SchedulerSide:
 
     def has_pending_work(self) -> bool:
         return bool(
-            self._jobs or self._pending_loads or self._pending_stores or self._pending_releases
+            self._jobs
+            or self._pending_loads
+            or self._pending_stores
+            or self._pending_releases
+            or self._pending_failed_loads
         )
 
     def statistics(self) -> SchedulerStatistics:
@@ -800,6 +821,54 @@ class SchedulerSide:
         if lease is not None:
             self._unpin(lease)
 
+    def _expire_loads(self) -> None:
+        """End, as failed, every load still unacknowledged at its deadline (invariant 7).
+
+        Its keys stop holding back other requests' lookups (they load the blocks
+        themselves), its host slots are unpinned, and the workers are told
+        (``failed_load_job_ids``) to report its engine blocks invalid however the copy
+        ends — a slot unpinned now may be overwritten while a late copy still reads it.
+        The request keeps waiting for the workers' ``finished_recving``, which only a copy
+        that ended sends: nothing writes to blocks vLLM recomputes.
+        """
+        now = self._clock()
+        late = [j for j in self._jobs.values() if not j.is_store and j.deadline <= now]
+        for job in late:
+            del self._jobs[job.job_id]
+            self._expired[job.job_id] = job
+            self._pending_failed_loads.append(job.job_id)
+            self._release_keys(job)
+            valid = job.slots[job.slots >= 0]
+            if len(valid):
+                self.directory_tell(CompleteLoad(slots=valid))
+            self._dir_dirty = True
+            self._c["loads_failed"] += 1
+            reason = f"no worker reported it within job_timeout_s={self.cfg.job_timeout_s}"
+            self._log.error(
+                "load_deadline_exceeded",
+                job_id=job.job_id,
+                req_id=job.req_id,
+                acks=job.acks,
+                world_size=self.world_size,
+            )
+            self.trace.job_ended(job.job_id, ok=False, error=reason)
+
+    def _release_keys(self, job: _Job) -> None:
+        for k in job.keys:
+            n = self._loading.pop(k) - 1
+            if n:
+                self._loading[k] = n
+
+    def _ack_expired(self, job: _Job, done: int) -> None:
+        """A worker reported a load that already ended at its deadline: all counted then."""
+        job.acks += done
+        if job.acks < self.world_size:
+            return
+        del self._expired[job.job_id]
+        st = self._reqs.get(job.req_id)
+        if st is not None and st.load_job == job.job_id:
+            st.load_job = None
+
     def _ack(self, meta: KVFerryWorkerMetadata) -> None:
         for key, value in meta.stats.items():
             if key in self._c:
@@ -807,7 +876,11 @@ class SchedulerSide:
         for job_id, (done, failed) in meta.acks.items():
             job = self._jobs.get(job_id)
             if job is None:
-                self._log.warning("ack_for_unknown_job", job_id=job_id)
+                expired = self._expired.get(job_id)
+                if expired is not None:
+                    self._ack_expired(expired, done)
+                else:
+                    self._log.warning("ack_for_unknown_job", job_id=job_id)
                 continue
             job.acks += done
             job.failed |= failed > 0
@@ -819,10 +892,7 @@ class SchedulerSide:
                 jobs.discard(job_id)
                 if not jobs:
                     del self._fences[block]
-            for k in job.keys:
-                n = self._loading.pop(k) - 1
-                if n:
-                    self._loading[k] = n
+            self._release_keys(job)
             self.trace.job_ended(
                 job_id,
                 ok=not job.failed,

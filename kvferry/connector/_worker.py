@@ -69,6 +69,8 @@ class WorkerSide:
         self._stores_of: dict[str, set[int]] = {}
         self._releasing: set[str] = set()
         self._load_errors: set[int] = set()
+        self._failed_loads: set[int] = set()
+        """Loads the scheduler ended at their deadline: reported failed when they end."""
         self._acks: dict[int, list[int]] = {}
         self._provider = traces.setup(cfg.traces, role="worker")
         self.trace = traces.WorkerTracer(self._provider, rank=vllm_config.parallel_config.rank)
@@ -150,6 +152,9 @@ class WorkerSide:
         )
 
     def start_load_kv(self, meta: KVFerryMetadata) -> None:
+        # Before any of this step's stores is submitted (wait_for_save): a store may now
+        # write into the host slots these loads read.
+        self._failed_loads.update(j for j in meta.failed_load_job_ids if j in self._load_req)
         if not meta.loads or self._refs is None:
             return
         for spec in meta.loads:
@@ -206,16 +211,20 @@ class WorkerSide:
                     error=res.error,
                     queued_ns=traced[1],
                 )
+            ok = res.ok
+            if res.job_id in self._failed_loads:
+                self._failed_loads.discard(res.job_id)
+                ok = False
             ack = self._acks.setdefault(res.job_id, [0, 0])
             ack[0] += 1
-            ack[1] += 0 if res.ok else 1
+            ack[1] += 0 if ok else 1
             key = res.direction
             self._stats[f"{key}_bytes"] = self._stats.get(f"{key}_bytes", 0.0) + res.nbytes
             self._stats[f"{key}_seconds"] = self._stats.get(f"{key}_seconds", 0.0) + res.seconds
             if res.direction == "load":
                 req_id, blocks = self._load_req.pop(res.job_id)
                 finished_recving.add(req_id)
-                if not res.ok:
+                if not ok:
                     self._load_errors.update(blocks)
             else:
                 req_id = self._store_req.pop(res.job_id)
