@@ -27,6 +27,7 @@ from typing import assert_never
 import anyio
 import attrs
 
+from .._errors import ActorStopped
 from ..actors import Actor, ActorRef, ActorSystem
 from ._admission import DEFAULT_WATERMARKS
 from ._directory import Directory, Key
@@ -151,6 +152,11 @@ class DirectoryActor(Actor[DirectoryMsg]):
             self._evictor.tell_nowait(RoomLow())
         except anyio.WouldBlock:  # one is waiting already: it will see this shortfall too
             self.room_low_coalesced += 1
+        except ActorStopped:
+            # Stopping: actors stop last spawned first, so the evictor goes before the
+            # directory drains its mailbox. From now on a store that finds no free slot
+            # evicts inline, as without an evictor.
+            self._evictor = None
 
     async def _publish(self) -> None:
         if self._publisher is not None:
