@@ -103,8 +103,7 @@ class EventBuffer:
         if not ev.keys:
             return
         last = self._events[-1] if self._events else None
-        if type(last) is type(ev):
-            assert isinstance(last, BlocksStored | BlocksRemoved)
+        if isinstance(last, BlocksStored | BlocksRemoved) and type(last) is type(ev):
             self._events[-1] = type(ev)(keys=last.keys + ev.keys, medium=ev.medium)
         else:
             self._events.append(ev)

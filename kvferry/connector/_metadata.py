@@ -56,7 +56,11 @@ class KVFerryWorkerMetadata(KVConnectorWorkerMetadata):
     """Transfer counters of this step (bytes and seconds per direction)."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        assert isinstance(other, KVFerryWorkerMetadata)
+        if not isinstance(other, KVFerryWorkerMetadata):
+            raise TypeError(
+                f"kvferry's worker metadata merged with a {type(other).__name__} "
+                "(another connector's?)"
+            )
         acks = {k: list(v) for k, v in self.acks.items()}
         for job_id, (done, failed) in other.acks.items():
             mine = acks.setdefault(job_id, [0, 0])

@@ -29,7 +29,7 @@ import numpy.typing as npt
 
 from .. import traces
 from .._config import FerryConfig
-from .._errors import ConfigError
+from .._errors import ConfigError, InvariantError
 from .._logging import get_logger
 from .._metrics import counter_values, gauge_values
 from ..actors import ActorRef, ActorSystem, start_runtime
@@ -463,14 +463,28 @@ class SchedulerSide:
             if lease is not None:
                 self._unpin(lease)
             return
-        assert st.lookup is not None, "update_state_after_alloc without a matching lookup"
-        assert st.load_job is None, "a second load for a request with one in flight"
+        # Invariants of this bookkeeping (docs/architecture.md, "Invariants"): a load
+        # follows the positive lookup that announced it, for the tokens announced, and a
+        # request has one load at a time. Broken, the load fails and vLLM recomputes.
+        if st.lookup is None:
+            error = InvariantError("load_without_lookup", "external tokens never announced")
+            self._fail_load(st, blocks, lease, error, num_external_tokens=num_external_tokens)
+            return
+        if st.load_job is not None:
+            error = InvariantError("second_load", f"load {st.load_job} still in flight")
+            self._fail_load(st, blocks, lease, error, num_external_tokens=num_external_tokens)
+            return
         num_local, hit_chunks = st.lookup
         st.lookup = None
         geo = self.geometry
         bs, bpc, ct = geo.engine_block_size, geo.blocks_per_chunk, geo.chunk_tokens
         end_tok = num_local + num_external_tokens
-        assert end_tok == hit_chunks * ct, (num_local, num_external_tokens, hit_chunks)
+        if end_tok != hit_chunks * ct:
+            error = InvariantError(
+                "load_of_other_tokens", f"{num_external_tokens} tokens after {num_local}"
+            )
+            self._fail_load(st, blocks, lease, error, announced=hit_chunks * ct - num_local)
+            return
         first_chunk = num_local // ct
         G = geo.num_groups
         block_ids = blocks.get_block_ids()
@@ -489,14 +503,13 @@ class SchedulerSide:
         keys = [k for k, w in zip(all_keys, wanted.ravel().tolist(), strict=True) if w]
         release = lease if lease is not None else np.zeros(0, np.int64)
         found = self._ask(lambda r: PrepareLoad(keys=tuple(keys), release=release, reply=r))
-        job_id = self._new_job_id()
         if found is None:
             # The lookup's lease kept these keys READY since; only a reset in between
-            # (which vLLM does not do inside one schedule pass) gets here. The load fails
-            # cleanly and vLLM recomputes.
-            self._log.error("load_keys_vanished", req_id=request.request_id)
-            self.trace.failed(reason="load keys vanished", req_id=request.request_id)
-            found = np.full(len(keys), -1, dtype=np.int64)
+            # (which vLLM does not do inside one schedule pass) gets here.
+            error = InvariantError("load_keys_vanished", "a leased hit is no longer ready")
+            self._fail_load(st, blocks, None, error, keys=len(keys))
+            return
+        job_id = self._new_job_id()
         slots = np.full(wanted.size, -1, dtype=np.int64)
         slots[wanted.ravel()] = found
         slot_of = slots.reshape(-1, G)
@@ -535,6 +548,59 @@ class SchedulerSide:
                 traceparent=tp,
             )
         )
+
+    def _fail_load(
+        self,
+        st: _Req,
+        blocks: KVCacheBlocks,
+        lease: npt.NDArray[np.int64] | None,
+        error: InvariantError,
+        **context: Any,
+    ) -> None:
+        """vLLM allocated blocks for a load this bookkeeping cannot plan (a broken
+        invariant: a bug). Logged once; a load job that copies nothing is planned failed
+        (``failed_load_job_ids``): the workers report every block vLLM allocated for the
+        request invalid with its ``finished_recving``, so vLLM frees them and schedules the
+        request again from its local prefix cache (or fails it, with ``on_load_failure:
+        fail``). The engine keeps running."""
+        req_id = st.request.request_id
+        st.lookup = None
+        if lease is not None:
+            self._unpin(lease)
+        self._log.error(
+            "invariant_broken",
+            invariant=error.invariant,
+            error=str(error),
+            req_id=req_id,
+            **context,
+        )
+        job_id = self._new_job_id()
+        parts = []
+        for g, ids in enumerate(blocks.get_block_ids()):
+            dev = [b for b in ids if b != 0]  # 0: vLLM's null block
+            if dev:
+                parts.append(GroupBlocks(group=g, device_blocks=dev, host_rows=[-1] * len(dev)))
+        self._jobs[job_id] = _Job(
+            job_id=job_id,
+            req_id=req_id,
+            is_store=False,
+            slots=np.zeros(0, np.int64),
+            tokens=0,
+            failed=True,
+            deadline=self._clock() + self.cfg.job_timeout_s,
+        )
+        if st.load_job is None:
+            st.load_job = job_id
+        tp = self.trace.job_planned(req_id, job_id, direction="load", blocks=0, tokens=0)
+        self.trace.failed(reason=str(error), req_id=req_id, job_id=job_id)
+        self._pending_loads.append(
+            JobSpec(
+                req_id=req_id,
+                copy=CopyJob(job_id=job_id, direction="load", parts=tuple(parts)),
+                traceparent=tp,
+            )
+        )
+        self._pending_failed_loads.append(job_id)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVFerryMetadata:
         from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
@@ -916,7 +982,7 @@ class SchedulerSide:
                 self._c["loads_failed" if job.failed else "loads_done"] += 1
                 if not job.failed:
                     self._c["tokens_loaded"] += job.tokens
-                if st is not None:
+                if st is not None and st.load_job == job_id:
                     st.load_job = None
                     if not job.failed:
                         st.tokens_loaded += job.tokens

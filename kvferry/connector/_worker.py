@@ -23,6 +23,7 @@ from ..transfer import (
     Flushed,
     FlushJobs,
     HostPool,
+    JobFailed,
     JobResult,
     LoadActor,
     PollFinished,
@@ -69,6 +70,7 @@ class WorkerSide:
         self._stores_of: dict[str, set[int]] = {}
         self._releasing: set[str] = set()
         self._load_errors: set[int] = set()
+        self._planned_failures: list[JobResult] = []
         self._failed_loads: set[int] = set()
         """Loads the scheduler ended at their deadline: reported failed when they end."""
         self._acks: dict[int, list[int]] = {}
@@ -154,14 +156,32 @@ class WorkerSide:
     def start_load_kv(self, meta: KVFerryMetadata) -> None:
         # Before any of this step's stores is submitted (wait_for_save): a store may now
         # write into the host slots these loads read.
-        self._failed_loads.update(j for j in meta.failed_load_job_ids if j in self._load_req)
+        failed = meta.failed_load_job_ids
+        if failed:
+            self._failed_loads.update(j for j in failed if j in self._load_req)
         if not meta.loads or self._refs is None:
             return
+        jobs = []
         for spec in meta.loads:
             blocks = [int(b) for p in spec.copy.parts for b in p.device_blocks]
             self._load_req[spec.copy.job_id] = (spec.req_id, blocks)
+            if failed and spec.copy.job_id in failed:
+                # Planned failed (the scheduler could not plan it): nothing to copy; its
+                # blocks are reported invalid by the next get_finished.
+                self._planned_failures.append(
+                    JobFailed(
+                        job_id=spec.copy.job_id,
+                        direction="load",
+                        error="failed by the scheduler",
+                        block_ids=tuple(blocks),
+                        reason="rejected",
+                    )
+                )
+            else:
+                jobs.append(spec.copy)
         self._remember_traces(meta.loads)
-        self._submit(self._refs.load, [s.copy for s in meta.loads])
+        if jobs:
+            self._submit(self._refs.load, jobs)
 
     def wait_for_save(self, meta: KVFerryMetadata) -> None:
         if self._refs is None:
@@ -193,6 +213,9 @@ class WorkerSide:
         if self._refs is None:
             return None, None
         results: list[JobResult] = self.runtime.call(self._poll, self._refs)  # type: ignore[union-attr]
+        if self._planned_failures:
+            results = self._planned_failures + results
+            self._planned_failures = []
         finished_recving: set[str] = set()
         now = time.time_ns()
         for res in results:

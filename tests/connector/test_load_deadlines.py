@@ -154,3 +154,20 @@ def test_a_worker_reports_a_load_the_scheduler_ended_as_failed_when_it_ends(work
     assert worker.get_finished() == (None, {"r"})
     assert worker.get_block_ids_with_load_errors() == {3, 4}
     assert worker.build_worker_meta().acks == {7: [1, 1]}
+
+
+def test_a_load_planned_failed_is_not_copied_and_its_blocks_are_reported_invalid(
+    worker: Any,
+) -> None:
+    from kvferry.connector._metadata import JobSpec, KVFerryMetadata
+
+    part = GroupBlocks(group=0, device_blocks=[5, 6], host_rows=[-1, -1])
+    copy = CopyJob(job_id=8, direction="load", parts=(part,))
+    launched = len(DEVICE.events)
+    worker.start_load_kv(
+        KVFerryMetadata(loads=[JobSpec(req_id="q", copy=copy)], failed_load_job_ids=[8])
+    )
+    assert worker.get_finished() == (None, {"q"})
+    assert worker.get_block_ids_with_load_errors() == {5, 6}
+    assert worker.build_worker_meta().acks == {8: [1, 1]}
+    assert len(DEVICE.events) == launched  # nothing was enqueued
