@@ -142,9 +142,6 @@ class Directory:
         self.misses += len(keys) - n
         return out
 
-    def state_of(self, key: Key) -> int:
-        return int(self._st[self._slot_of.get(key, -1)])
-
     def slot_of(self, key: Key) -> int | None:
         return self._slot_of.get(key)
 

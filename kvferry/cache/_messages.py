@@ -119,8 +119,8 @@ class CompleteStore:
 class Touch:
     """A request finished having used these keys (head first): recency for the policy.
 
-    Send it from ``request_finished`` with the request's keys, as vLLM's manager applies
-    recency at ``on_request_finished``; absent keys are ignored.
+    The connector sends it from ``request_finished`` with the request's keys, as vLLM's
+    manager applies recency at ``on_request_finished``; absent keys are ignored.
     """
 
     keys: tuple[Key, ...]

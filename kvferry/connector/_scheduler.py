@@ -45,6 +45,7 @@ from ..cache import (
     PrepareStore,
     ResetCache,
     TakeEvents,
+    Touch,
     Unpin,
     spawn_host_tier,
     to_vllm_events,
@@ -685,6 +686,10 @@ class SchedulerSide:
         if st.error is not None:
             info["error"] = st.error
         params = {"kvferry": info}
+        if st.keys:
+            # Recency for the policy, as vLLM's own offloading applies it when a request
+            # finishes: its blocks (loaded, stored, or present) were just used.
+            self.directory_tell(Touch(keys=tuple(st.keys)))
         if st.load_job is not None:
             # Aborted while its load runs: vLLM frees the blocks at finished_recving.
             return True, params
@@ -963,6 +968,7 @@ class SchedulerSide:
                 job_id,
                 ok=not job.failed,
                 error=None if not job.failed else f"{failed} worker(s) failed",
+                workers_failed=failed,
             )
             st = self._reqs.get(job.req_id)
             self._dir_dirty = True

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from kvferry.cache import ClearAll, CompleteStore, GetStatistics, PrepareStore
+from kvferry.cache import ClearAll, CompleteStore, GetStatistics, Lookup, PrepareStore
 
 from ._steps import BLOCK, acked, allocated, key, request, scheduler_side, step, store_keys
 
@@ -123,3 +123,30 @@ def test_a_deferred_lookup_holds_no_lease(small: Any) -> None:
     small.update_state_after_alloc(a, allocated([1, 2]), 2 * BLOCK)
     assert small.get_num_new_matched_tokens(b, 0) == (None, False)
     assert pinned(small) == 2  # a's load only
+
+
+def test_a_finished_request_refreshes_the_recency_of_its_blocks(
+    make_vllm_config: Any, kv_cache_config: Any
+) -> None:
+    """Touch from request_finished: blocks a request just used (here loaded) are the last
+    an inline eviction takes, as vLLM's own offloading orders them."""
+    with scheduler_side(
+        make_vllm_config,
+        kv_cache_config,
+        cpu_bytes_to_use=8 * SLOT_BYTES,
+        eviction_watermarks=[1.0, 1.0],
+    ) as side:
+        a, other = request("a", 4 * BLOCK + 8), request("o", 4 * BLOCK + 8, seed=3)
+        store_keys(side, [key(a, c) for c in range(4)])
+        side.on_new_request(a)
+        assert side.get_num_new_matched_tokens(a, 0) == (4 * BLOCK, True)
+        side.update_state_after_alloc(a, allocated([1, 2, 3, 4]), 4 * BLOCK)
+        [load] = side.build_connector_meta(step({}, {})).loads
+        side.update_connector_output(acked(load.copy.job_id))
+        store_keys(side, [key(other, c) for c in range(4)])  # full; a's blocks the oldest
+        a.num_computed_tokens = a.num_tokens
+        assert side.request_finished(a, ([1, 2, 3, 4, 5],))[0] is False
+        store_keys(side, [b"new-1", b"new-2"])  # evicts two blocks inline
+        assert side._ask(lambda r: Lookup(keys=tuple(key(a, c) for c in range(4)), reply=r)) == 4
+        others = tuple(key(other, c) for c in range(4))
+        assert side._ask(lambda r: Lookup(keys=others, reply=r)) == 2  # its tail went
