@@ -16,6 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
@@ -128,6 +129,17 @@ class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):
     @override
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._work.get_finished()
+
+    @override
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        # A failed load of a model with several KV-cache groups is reported per request:
+        # vLLM refuses invalid block ids there (they are only unique within a group).
+        sending, recving = self._work.get_finished()
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()),
+            finished_recving=set(recving or ()),
+            failed_recving=self._work.take_failed_recving(),
+        )
 
     @override
     def get_block_ids_with_load_errors(self) -> set[int]:

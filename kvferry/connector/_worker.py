@@ -70,6 +70,9 @@ class WorkerSide:
         self._stores_of: dict[str, set[int]] = {}
         self._releasing: set[str] = set()
         self._load_errors: set[int] = set()
+        self._failed_recving: set[str] = set()
+        """Requests whose load failed, for a model of several KV-cache groups (vLLM takes
+        invalid block ids only for one group: block ids are per group)."""
         self._planned_failures: list[JobResult] = []
         self._failed_loads: set[int] = set()
         """Loads the scheduler ended at their deadline: reported failed when they end."""
@@ -248,7 +251,10 @@ class WorkerSide:
                 req_id, blocks = self._load_req.pop(res.job_id)
                 finished_recving.add(req_id)
                 if not ok:
-                    self._load_errors.update(blocks)
+                    if self.geometry.num_groups > 1:
+                        self._failed_recving.add(req_id)
+                    else:
+                        self._load_errors.update(blocks)
             else:
                 req_id = self._store_req.pop(res.job_id)
                 jobs = self._stores_of.get(req_id)
@@ -265,6 +271,12 @@ class WorkerSide:
         loads: list[JobResult] = await refs.load.ask(lambda r: PollFinished(reply=r))
         stores: list[JobResult] = await refs.store.ask(lambda r: PollFinished(reply=r))
         return loads + stores
+
+    def take_failed_recving(self) -> set[str]:
+        """Requests whose load failed, reported whole (several KV-cache groups); each is
+        also in ``finished_recving`` of the same or an earlier ``get_finished``."""
+        failed, self._failed_recving = self._failed_recving, set()
+        return failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -171,3 +171,38 @@ def test_a_load_planned_failed_is_not_copied_and_its_blocks_are_reported_invalid
     assert worker.get_block_ids_with_load_errors() == {5, 6}
     assert worker.build_worker_meta().acks == {8: [1, 1]}
     assert len(DEVICE.events) == launched  # nothing was enqueued
+
+
+def test_with_several_kv_cache_groups_a_failed_load_is_reported_per_request(
+    make_vllm_config: Callable[..., Any],
+) -> None:
+    """vLLM takes invalid block ids only for a model of one KV-cache group (block ids are
+    per group; it raises otherwise): a hybrid model's failed load is reported whole, in
+    ``failed_recving``, and vLLM recomputes the request."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    from kvferry.connector._metadata import JobSpec, KVFerryMetadata
+    from kvferry.connector._worker import WorkerSide
+
+    spec = FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    layers = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+    config = KVCacheConfig(
+        num_blocks=16,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec([layers[0]], spec), KVCacheGroupSpec([layers[1]], spec)],
+    )
+    extra = {"cpu_bytes_to_use": 8 << 20, "copy_engine": f"{__name__}:fake_cuda_engine"}
+    side = WorkerSide(make_vllm_config(extra), config, FerryConfig.from_dict(extra))
+    side.register_kv_caches({n: torch.randn(2, 16, 128, 2, 64).bfloat16() for n in layers})
+    try:
+        parts = tuple(GroupBlocks(group=g, device_blocks=[5], host_rows=[-1]) for g in range(2))
+        copy = CopyJob(job_id=3, direction="load", parts=parts)
+        side.start_load_kv(
+            KVFerryMetadata(loads=[JobSpec(req_id="h", copy=copy)], failed_load_job_ids=[3])
+        )
+        assert side.get_finished() == (None, {"h"})
+        assert side.get_block_ids_with_load_errors() == set()
+        assert side.take_failed_recving() == {"h"}
+        assert side.take_failed_recving() == set()
+    finally:
+        side.shutdown()
