@@ -10,6 +10,7 @@ from ._errors import ActorCrashed as ActorCrashed
 from ._errors import ActorStopped as ActorStopped
 from ._errors import ConfigError as ConfigError
 from ._errors import HostMemoryError as HostMemoryError
+from ._errors import InvariantError as InvariantError
 from ._errors import KVFerryError as KVFerryError
 from ._errors import TransferError as TransferError
 from ._ferry import Ferry as Ferry
@@ -23,6 +24,7 @@ __all__ = [
     "Ferry",
     "FerryConfig",
     "HostMemoryError",
+    "InvariantError",
     "KVFerryError",
     "TransferError",
     "__version__",

@@ -32,3 +32,17 @@ class HostMemoryError(KVFerryError, MemoryError):
 
 class TransferError(KVFerryError):
     """A copy between device and host memory failed."""
+
+
+class InvariantError(KVFerryError):
+    """kvferry's own bookkeeping broke one of its invariants (docs/architecture.md,
+    "Invariants and where they are held"): a bug, never the caller's doing.
+
+    Engine-facing code does not raise it: it fails the job or request concerned, logs the
+    error once with its context (event ``invariant_broken``), and the engine keeps
+    running. ``invariant`` names what broke, in snake_case.
+    """
+
+    def __init__(self, invariant: str, message: str) -> None:
+        super().__init__(f"{invariant}: {message}")
+        self.invariant = invariant

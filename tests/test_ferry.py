@@ -202,3 +202,31 @@ async def test_a_waiting_caller_is_woken_by_the_completion_not_by_polling() -> N
         store_stats = [s for s in ferry.system.statistics() if s.name == "StoreActor"][0]
         before = [s for s in polls_before if s.name == "StoreActor"][0]
         assert store_stats.messages_handled - before.messages_handled == 1
+
+
+class _BrokenLoads(_BrokenEngine):
+    """Stores copy; every load submission fails."""
+
+    def submit(self, job: CopyJob) -> object:
+        if job.direction == "store":
+            return self._real.submit(job)
+        raise RuntimeError("device lost")
+
+
+async def test_failed_copies_leave_nothing_behind() -> None:
+    """Each failed store or load ends its waiter's entry in the copy actors and its pins:
+    a long-running server that keeps failing does not grow."""
+    kv = kv_caches()
+    async with Ferry(
+        kv, num_blocks=NUM_BLOCKS, cpu_bytes_to_use=1 << 20, copy_engine=_BrokenLoads
+    ) as ferry:
+        assert await ferry.store(keys(1, 2), [1, 2]) == 2
+        for _ in range(3):
+            with pytest.raises(TransferError, match="device lost"):
+                await ferry.load(keys(1, 2), [3, 4])
+        for ref in (ferry._store, ferry._load):
+            assert ref is not None
+            actor = ref._cell.actor
+            assert actor._notify == {} and actor._ended == [] and actor.in_flight == 0
+        stats = await ferry.statistics()
+        assert stats.pinned == 0 and stats.loads_completed == 6

@@ -31,7 +31,9 @@ from ._messages import Drain as Drain
 from ._messages import EvictorMsg as EvictorMsg
 from ._messages import EvictSome as EvictSome
 from ._messages import GetStatistics as GetStatistics
+from ._messages import Lease as Lease
 from ._messages import Lookup as Lookup
+from ._messages import LookupAndPin as LookupAndPin
 from ._messages import LookupEach as LookupEach
 from ._messages import PrepareLoad as PrepareLoad
 from ._messages import PrepareStore as PrepareStore
@@ -41,6 +43,7 @@ from ._messages import ResetCache as ResetCache
 from ._messages import RoomLow as RoomLow
 from ._messages import TakeEvents as TakeEvents
 from ._messages import Touch as Touch
+from ._messages import Unpin as Unpin
 from ._policy import EvictionPolicy as EvictionPolicy
 from ._policy import LRUPolicy as LRUPolicy
 from ._policy import make_policy as make_policy
@@ -73,7 +76,9 @@ __all__ = [
     "KVEvent",
     "Key",
     "LRUPolicy",
+    "Lease",
     "Lookup",
+    "LookupAndPin",
     "LookupEach",
     "PrepareLoad",
     "PrepareStore",
@@ -85,6 +90,7 @@ __all__ = [
     "S3FIFOPolicy",
     "TakeEvents",
     "Touch",
+    "Unpin",
     "check_store_threshold",
     "check_watermarks",
     "make_policy",

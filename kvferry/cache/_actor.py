@@ -3,9 +3,10 @@
 Who owns what:
 
 - :class:`DirectoryActor` owns the :class:`~kvferry.cache.Directory` (keys, slots, pins,
-  the policy, admission). The scheduler-side facade asks ``Lookup`` (or ``LookupEach``
-  for a hybrid model) / ``PrepareLoad`` / ``PrepareStore`` on the engine thread's calls
-  and tells ``CompleteLoad`` / ``CompleteStore`` / ``Touch`` when jobs and requests end.
+  the policy, admission). The scheduler-side facade asks ``LookupAndPin`` (a lookup
+  that leases its hit until the engine allocates blocks for it) / ``PrepareLoad`` /
+  ``PrepareStore`` on the engine thread's calls and tells ``Unpin`` / ``CompleteLoad`` /
+  ``CompleteStore`` / ``Touch`` when leases, jobs and requests end.
   Nothing else touches the directory; its state is the truth and is kept across restarts.
 - :class:`EvictorActor` owns only its pacing. Told ``RoomLow`` by the directory when a
   store pushed occupancy past the high watermark, it asks the directory to ``EvictSome``
@@ -26,9 +27,10 @@ from typing import assert_never
 import anyio
 import attrs
 
+from .._errors import ActorStopped
 from ..actors import Actor, ActorRef, ActorSystem
 from ._admission import DEFAULT_WATERMARKS
-from ._directory import Directory
+from ._directory import Directory, Key
 from ._events import EventBuffer, KVEvent
 from ._messages import (
     AttachEvictor,
@@ -40,7 +42,9 @@ from ._messages import (
     EvictorMsg,
     EvictSome,
     GetStatistics,
+    Lease,
     Lookup,
+    LookupAndPin,
     LookupEach,
     PrepareLoad,
     PrepareStore,
@@ -50,6 +54,7 @@ from ._messages import (
     RoomLow,
     TakeEvents,
     Touch,
+    Unpin,
 )
 from ._policy import EvictionPolicy
 
@@ -89,8 +94,16 @@ class DirectoryActor(Actor[DirectoryMsg]):
                 reply.set(d.lookup(keys))
             case LookupEach(keys=keys, reply=reply):
                 reply.set(d.ready(keys))
-            case PrepareLoad(keys=keys, reply=reply):
-                reply.set(d.prepare_load(keys))
+            case LookupAndPin(keys=keys, each=each, reply=reply):
+                reply.set(self._lookup_and_pin(keys, each))
+            case Unpin(slots=slots):
+                d.unpin(slots)
+                self._check_room()
+            case PrepareLoad(keys=keys, release=release, reply=reply):
+                pinned = d.prepare_load(keys)
+                if len(release):
+                    d.unpin(release)
+                reply.set(pinned)
             case CompleteLoad(slots=slots):
                 d.complete_load(slots)
                 self._check_room()
@@ -119,6 +132,19 @@ class DirectoryActor(Actor[DirectoryMsg]):
                 assert_never(msg)
         await self._publish()
 
+    def _lookup_and_pin(self, keys: tuple[Key, ...], each: bool) -> Lease:
+        d = self.directory
+        if each:
+            ready = d.ready(keys)
+            hits = [k for k, r in zip(keys, ready.tolist(), strict=True) if r]
+            return Lease(
+                leading=int(ready.argmin()) if not ready.all() else len(keys),
+                ready=ready,
+                slots=d.lease(hits),
+            )
+        n = d.lookup(keys)
+        return Lease(leading=n, slots=d.lease(keys[:n]))
+
     def _check_room(self) -> None:
         if self._evictor is None or not self.directory.room_short():
             return
@@ -126,6 +152,11 @@ class DirectoryActor(Actor[DirectoryMsg]):
             self._evictor.tell_nowait(RoomLow())
         except anyio.WouldBlock:  # one is waiting already: it will see this shortfall too
             self.room_low_coalesced += 1
+        except ActorStopped:
+            # Stopping: actors stop last spawned first, so the evictor goes before the
+            # directory drains its mailbox. From now on a store that finds no free slot
+            # evicts inline, as without an evictor.
+            self._evictor = None
 
     async def _publish(self) -> None:
         if self._publisher is not None:

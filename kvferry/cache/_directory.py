@@ -1,13 +1,19 @@
 """The host tier's block directory: which key lives in which host slot, in which state.
 
 A slot is FREE, STORING (a store was prepared and has not completed: never a lookup hit,
-never evicted) or READY (readable); a READY slot may be pinned by loads (a count). After
-a reset, slots still in flight are *dropped*: invisible at once, freed when their store
-completes or their last load ends. The invariants the tests hold (DESIGN §4):
+never evicted) or READY (readable); a READY slot may be pinned by loads and lookups' leases
+(a count). After a reset, slots still in flight are *dropped*: invisible at once, freed
+when their store completes or their last load ends. The invariants the tests hold
+(docs/architecture.md, "Invariants and where they are held"):
 
 1. a lookup hit is only a key whose store completed with ``ok``;
 2. a STORING or pinned slot is never evicted, never reassigned;
 5. at most ``num_slots`` keys are held, whatever happens.
+
+A call that would break one (unpinning a slot that is not pinned, completing a store not
+in flight, a policy choosing a victim that is not evictable) is a bug elsewhere: the slots
+concerned are left alone, and it is logged (``invariant_broken``, an
+:class:`~kvferry.InvariantError`) and counted in ``invariant_errors``, never asserted.
 
 Per-slot state lives in numpy arrays; the key → slot map is one ``dict`` of the caller's
 key objects (``benchmarks/bookkeeping.py`` measures it against a compact numpy table at 1M
@@ -34,9 +40,11 @@ from typing import cast
 import numpy as np
 import numpy.typing as npt
 
+from .._errors import InvariantError
+from .._logging import get_logger
 from ._admission import DEFAULT_WATERMARKS, AdmissionFilter, check_store_threshold, check_watermarks
 from ._events import AllBlocksCleared, BlocksRemoved, BlocksStored, KVEvent
-from ._policy import EvictionPolicy, PolicyError, make_policy
+from ._policy import EvictionPolicy, make_policy
 from ._statistics import DirectoryStatistics
 from ._table import tags_of
 
@@ -47,6 +55,8 @@ FREE, STORING, READY, STORING_DROPPED, READY_DROPPED = 0, 1, 2, 3, 4
 Key = bytes
 
 _NO_TAGS = np.zeros(0, np.int64)
+
+_log = get_logger("kvferry.cache")
 
 
 class Directory:
@@ -104,6 +114,8 @@ class Directory:
         self.loads_prepared = self.loads_completed = 0
         self.evictions = self.evictions_inline = self.resets = 0
         self._stuck = False  # the last eviction found nothing; until a block becomes evictable
+        self.invariant_errors = 0
+        """Broken invariants found (and survived) so far: a bug each; see :meth:`_broken`."""
 
     # -- queries -----------------------------------------------------------------------
 
@@ -133,9 +145,6 @@ class Directory:
         self.hits += n
         self.misses += len(keys) - n
         return out
-
-    def state_of(self, key: Key) -> int:
-        return int(self._st[self._slot_of.get(key, -1)])
 
     def slot_of(self, key: Key) -> int | None:
         return self._slot_of.get(key)
@@ -168,20 +177,45 @@ class Directory:
 
     def complete_load(self, slots: npt.ArrayLike) -> None:
         """Unpin the slots of a finished (or failed) load."""
+        self.loads_completed += self.unpin(slots)
+
+    def lease(self, keys: Sequence[Key]) -> I64:
+        """Pin each READY key of ``keys`` (others are skipped); returns the pinned slots.
+
+        A lookup's hit is leased until the engine allocates its blocks (then
+        :meth:`prepare_load` pins it for the load) or gives up (:meth:`unpin`), so that no
+        eviction comes in between. A lease is recency for the policy, not a reuse.
+        """
+        get, st, pins = self._slot_of.get, self._st, self._pn
+        slots = [s for key in keys if (s := get(key, -1)) >= 0 and st[s] == READY]
+        for s in slots:
+            pins[s] += 1
+        out = np.array(slots, np.int64)
+        if slots:
+            self.policy.touch(out)
+        return out
+
+    def unpin(self, slots: npt.ArrayLike) -> int:
+        """Release one pin of each of ``slots`` (a load's or a lease's); returns how many."""
         st, pins = self._st, self._pn
         freed = []
         n = 0
+        bad = []
         for s in np.asarray(slots, np.int64).tolist():
-            state = st[s]
-            assert pins[s] > 0 and state in (READY, READY_DROPPED), f"slot {s} is not pinned"
+            state = st[s] if 0 <= s < self.num_slots else FREE
+            if state not in (READY, READY_DROPPED) or pins[s] <= 0:
+                bad.append(s)  # never below zero: a pin left is safer than a slot freed
+                continue
             pins[s] -= 1
             n += 1
             if state == READY_DROPPED and pins[s] == 0:  # a reset dropped it: free it now
                 freed.append(s)
-        self.loads_completed += n
         self._stuck = False
         if freed:
             self._release(np.array(freed, np.int64))
+        if bad:
+            self._broken("unpin_of_a_slot_not_pinned", "skipped", slots=bad)
+        return n
 
     def touch(self, keys: Sequence[Key]) -> None:
         """A request finished with these keys (head first): recency for the policy."""
@@ -220,16 +254,14 @@ class Directory:
         if not new_keys:
             return np.full(k, -1, np.int64)
         tags = tags_of(new_keys) if self._uses_tags or self._admission is not None else None
-        if self._admission is not None:
-            assert tags is not None
+        if self._admission is not None and tags is not None:
             admitted = self._admission.offer(tags)
             keep = admitted.tolist()
             idx = [i for i, a in zip(idx, keep, strict=True) if a]
             new_keys = [key for key, a in zip(new_keys, keep, strict=True) if a]
             tags = tags[admitted]
         need = len(new_keys)
-        if self._uses_tags:
-            assert tags is not None
+        if self._uses_tags and tags is not None:
             self.policy.store_miss(tags)
         if need > self._num_free:
             short = max(need - self._num_free, self.used + need - int(self.low * self.num_slots))
@@ -247,8 +279,7 @@ class Directory:
             key_of[s] = key
         self._slot_of.update(zip(new_keys, slots, strict=False))
         self._state[new] = STORING
-        if self._uses_tags:
-            assert tags is not None
+        if self._uses_tags and tags is not None:
             self._tag[new] = tags[:m]
         self.stores_prepared += m
         if m == k:
@@ -262,11 +293,20 @@ class Directory:
         arr = np.asarray(slots, np.int64)
         if not len(arr):
             return
-        state = self._state[arr]
+        in_range = (arr >= 0) & (arr < self.num_slots)
+        state = np.where(in_range, self._state[np.where(in_range, arr, -1)], FREE)
         live = state == STORING
         if not live.all():
-            assert (live | (state == STORING_DROPPED)).all(), "complete_store of a slot not storing"
-            self._release(arr[~live])  # stores a reset dropped: freed, never visible
+            dropped = state == STORING_DROPPED
+            if not (live | dropped).all():
+                # Not a store in flight (completed twice, or never prepared): left alone.
+                self._broken(
+                    "complete_store_of_a_slot_not_storing",
+                    "skipped",
+                    slots=arr[~(live | dropped)].tolist(),
+                    ok=ok,
+                )
+            self._release(arr[dropped])  # stores a reset dropped: freed, never visible
             arr = arr[live]
         if ok:
             self._stuck = False
@@ -288,7 +328,9 @@ class Directory:
         key_of, slot_of = self._key_of, self._slot_of
         for s in slots:
             key = key_of[s]
-            assert key is not None
+            if key is None:
+                self._broken("unindex_of_a_slot_without_key", "skipped", slot=s)
+                continue
             del slot_of[key]
             key_of[s] = None
 
@@ -320,13 +362,24 @@ class Directory:
             self._pins[protect] += 1  # a repeated slot is counted once, and given back once
         try:
             victims = np.asarray(self.policy.victims(n, self._evictable, self._tag), np.int64)
-            if len(victims) > n or not self._evictable(victims).all():
-                raise PolicyError(f"policy {self.policy.name!r} chose a slot it may not evict")
+            ok = (victims >= 0) & (victims < self.num_slots)
+            ok[ok] = self._evictable(victims[ok])
         finally:
             if protect is not None:
                 self._pins[protect] -= 1
-        if len(np.unique(victims)) != len(victims):
-            raise PolicyError(f"policy {self.policy.name!r} chose a slot twice")
+        _, first = np.unique(victims, return_index=True)
+        once = np.zeros(len(victims), np.bool_)
+        once[first] = True
+        if not (ok & once).all() or len(victims) > n:
+            # Invariant 2: a policy (maybe the user's) never frees what is pinned, being
+            # stored or already free. Only its valid choices are evicted.
+            self._broken(
+                "policy_chose_a_slot_not_evictable",
+                f"{self.policy.name}: skipped",
+                asked=n,
+                bad=victims[~(ok & once)].tolist(),
+            )
+            victims = victims[ok & once][:n]
         self._stuck = len(victims) < n
         if not len(victims):
             return 0
@@ -337,6 +390,13 @@ class Directory:
         self._release(victims)
         self.evictions += len(victims)
         return len(victims)
+
+    def _broken(self, invariant: str, action: str, **context: object) -> None:
+        """Report a broken invariant of this bookkeeping (a bug): counted, logged once
+        with its context; the caller has already left the slots concerned alone."""
+        self.invariant_errors += 1
+        error = InvariantError(invariant, action)
+        _log.error("invariant_broken", invariant=invariant, error=str(error), **context)
 
     def _release(self, slots: I64) -> None:
         self._state[slots] = FREE

@@ -76,6 +76,9 @@ class EventBuffer:
     """Events waiting for the next ``take``: consecutive records of one kind are merged,
     and a clear makes every earlier record of the batch moot (it is dropped).
 
+    A merge extends the last run's list of keys in place (the records are built once, by
+    ``take``), so a step of many small events costs time linear in its keys.
+
     Bounded by ``max_keys``: past it the buffer collapses to one :class:`AllBlocksCleared`
     — a consumer then under-counts the tier (a routing miss), never over-counts it —
     and the drop is counted in ``keys_dropped``.
@@ -83,13 +86,17 @@ class EventBuffer:
 
     def __init__(self, *, max_keys: int = 1_000_000) -> None:
         self.max_keys = max_keys
-        self._events: list[KVEvent] = []
+        # Runs in order: a clear, or (record class, its medium, the keys merged so far).
+        self._runs: list[
+            AllBlocksCleared | tuple[type[BlocksStored | BlocksRemoved], str, list[bytes]]
+        ]
+        self._runs = []
         self._num_keys = 0
         self.keys_dropped = 0
         self.overflows = 0
 
     def __len__(self) -> int:
-        return len(self._events)
+        return len(self._runs)
 
     def extend(self, events: Iterable[KVEvent]) -> None:
         for ev in events:
@@ -97,27 +104,29 @@ class EventBuffer:
 
     def append(self, ev: KVEvent) -> None:
         if isinstance(ev, AllBlocksCleared):
-            self._events = [ev]
+            self._runs = [ev]
             self._num_keys = 0
             return
         if not ev.keys:
             return
-        last = self._events[-1] if self._events else None
-        if type(last) is type(ev):
-            assert isinstance(last, BlocksStored | BlocksRemoved)
-            self._events[-1] = type(ev)(keys=last.keys + ev.keys, medium=ev.medium)
+        last = self._runs[-1] if self._runs else None
+        if isinstance(last, tuple) and last[0] is type(ev) and last[1] == ev.medium:
+            last[2].extend(ev.keys)
         else:
-            self._events.append(ev)
+            self._runs.append((type(ev), ev.medium, list(ev.keys)))
         self._num_keys += len(ev.keys)
         if self._num_keys > self.max_keys:
             self.keys_dropped += self._num_keys
             self.overflows += 1
-            self._events = [AllBlocksCleared()]
+            self._runs = [AllBlocksCleared()]
             self._num_keys = 0
 
     def take(self) -> list[KVEvent]:
-        out, self._events, self._num_keys = self._events, [], 0
-        return out
+        runs, self._runs, self._num_keys = self._runs, [], 0
+        return [
+            run if isinstance(run, AllBlocksCleared) else run[0](keys=run[2], medium=run[1])
+            for run in runs
+        ]
 
 
 def to_vllm_events(events: Iterable[KVEvent]) -> list[Any]:

@@ -45,10 +45,50 @@ class LookupEach:
 
 
 @attrs.frozen(kw_only=True)
-class PrepareLoad:
-    """Pin the slots of ``keys`` for a load; answers their slots, or None if any is not ready."""
+class Lease:
+    """The answer to :class:`LookupAndPin`: the hit, and the slots pinned for it."""
+
+    leading: int
+    """How many leading keys are ready (the hit of a :class:`Lookup`)."""
+    ready: npt.NDArray[np.bool_] | None = attrs.field(eq=False, default=None)
+    """Per key, whether it is ready (with ``each``; the answer of :class:`LookupEach`)."""
+    slots: npt.NDArray[np.int64] = attrs.field(converter=_i64, eq=False)
+    """The slots pinned: the leading hit's, or with ``each`` every ready key's."""
+
+
+@attrs.frozen(kw_only=True)
+class LookupAndPin:
+    """A :class:`Lookup` (with ``each``, a :class:`LookupEach`) that also pins the hit.
+
+    The pins are a lease: they keep the hit from being evicted until the engine either
+    allocates blocks for it (``PrepareLoad(release=...)`` turns the lease into the
+    load's pins) or does not (``Unpin``). The sender must release every lease it took.
+    """
 
     keys: tuple[Key, ...]
+    each: bool = False
+    reply: Reply[Lease] = attrs.field(eq=False, repr=False)
+
+
+@attrs.frozen(kw_only=True)
+class Unpin:
+    """Release a lease (the slots a :class:`LookupAndPin` pinned)."""
+
+    slots: npt.NDArray[np.int64] = attrs.field(converter=_i64, eq=False)
+
+
+@attrs.frozen(kw_only=True)
+class PrepareLoad:
+    """Pin the slots of ``keys`` for a load; answers their slots, or None if any is not ready.
+
+    ``release``: a lease to release once the load's pins are taken (see
+    :class:`LookupAndPin`), released whatever the answer.
+    """
+
+    keys: tuple[Key, ...]
+    release: npt.NDArray[np.int64] = attrs.field(
+        converter=_i64, eq=False, factory=lambda: np.zeros(0, np.int64)
+    )
     reply: Reply[npt.NDArray[np.int64] | None] = attrs.field(eq=False, repr=False)
 
 
@@ -79,8 +119,8 @@ class CompleteStore:
 class Touch:
     """A request finished having used these keys (head first): recency for the policy.
 
-    Send it from ``request_finished`` with the request's keys, as vLLM's manager applies
-    recency at ``on_request_finished``; absent keys are ignored.
+    The connector sends it from ``request_finished`` with the request's keys, as vLLM's
+    manager applies recency at ``on_request_finished``; absent keys are ignored.
     """
 
     keys: tuple[Key, ...]
@@ -134,6 +174,8 @@ class GetStatistics:
 DirectoryMsg: TypeAlias = (
     Lookup
     | LookupEach
+    | LookupAndPin
+    | Unpin
     | PrepareLoad
     | CompleteLoad
     | PrepareStore

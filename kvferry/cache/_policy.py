@@ -27,15 +27,11 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
-from .._errors import ConfigError, KVFerryError
+from .._errors import ConfigError
 from ._recency import Evictable, RecencyLists
 
 I64 = npt.NDArray[np.int64]
 Mask = npt.NDArray[np.bool_]
-
-
-class PolicyError(KVFerryError, RuntimeError):
-    """An eviction policy broke its contract (chose a slot it may not evict, or twice)."""
 
 
 @runtime_checkable

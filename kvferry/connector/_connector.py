@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
@@ -44,6 +45,12 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+
+def _ours(meta: KVConnectorMetadata | None) -> KVFerryMetadata:
+    if not isinstance(meta, KVFerryMetadata):
+        raise TypeError(f"kvferry's worker half was given {type(meta).__name__} as metadata")
+    return meta
 
 
 class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):
@@ -83,6 +90,18 @@ class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker = WorkerSide(vllm_config, kv_cache_config, cfg)
 
     @property
+    def _sched(self) -> SchedulerSide:
+        if self._scheduler is None:
+            raise RuntimeError("a scheduler-side call on kvferry's worker-side connector")
+        return self._scheduler
+
+    @property
+    def _work(self) -> WorkerSide:
+        if self._worker is None:
+            raise RuntimeError("a worker-side call on kvferry's scheduler-side connector")
+        return self._worker
+
+    @property
     @override
     def requires_kv_delivery(self) -> bool:
         return False  # a dropped store is only a future miss
@@ -93,8 +112,7 @@ class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Called by the model runner before each forward pass: this step's jobs."""
         super().bind_connector_metadata(connector_metadata)
-        assert isinstance(connector_metadata, KVFerryMetadata)
-        self._meta = connector_metadata
+        self._meta = _ours(connector_metadata)
 
     @override
     def clear_connector_metadata(self) -> None:
@@ -103,18 +121,15 @@ class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):
 
     @override
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        assert self._worker is not None
-        self._worker.register_kv_caches(kv_caches)
+        self._work.register_kv_caches(kv_caches)
 
     @override
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        assert self._worker is not None and isinstance(kv_connector_metadata, KVFerryMetadata)
-        self._worker.handle_preemptions(kv_connector_metadata)
+        self._work.handle_preemptions(_ours(kv_connector_metadata))
 
     @override
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        assert self._worker is not None and self._meta is not None
-        self._worker.start_load_kv(self._meta)
+        self._work.start_load_kv(_ours(self._meta))
 
     @override
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -128,68 +143,68 @@ class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):
 
     @override
     def wait_for_save(self) -> None:
-        assert self._worker is not None and self._meta is not None
-        self._worker.wait_for_save(self._meta)
+        self._work.wait_for_save(_ours(self._meta))
 
     @override
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        assert self._worker is not None
-        return self._worker.get_finished()
+        return self._work.get_finished()
+
+    @override
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        # A failed load of a model with several KV-cache groups is reported per request:
+        # vLLM refuses invalid block ids there (they are only unique within a group).
+        sending, recving = self._work.get_finished()
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()),
+            finished_recving=set(recving or ()),
+            failed_recving=self._work.take_failed_recving(),
+        )
 
     @override
     def get_block_ids_with_load_errors(self) -> set[int]:
-        assert self._worker is not None
-        return self._worker.get_block_ids_with_load_errors()
+        return self._work.get_block_ids_with_load_errors()
 
     @override
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        assert self._worker is not None
-        return self._worker.build_worker_meta()
+        return self._work.build_worker_meta()
 
     # ==============================  scheduler side  ==============================
 
     @override
     def on_new_request(self, request: Request) -> None:
-        assert self._scheduler is not None
-        self._scheduler.on_new_request(request)
+        self._sched.on_new_request(request)
 
     @override
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        assert self._scheduler is not None
-        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
 
     @override
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        assert self._scheduler is not None
-        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
 
     @override
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        assert self._scheduler is not None
-        return self._scheduler.build_connector_meta(scheduler_output)
+        return self._sched.build_connector_meta(scheduler_output)
 
     @override
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        assert self._scheduler is not None
-        self._scheduler.update_connector_output(connector_output)
+        self._sched.update_connector_output(connector_output)
 
     @override
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        assert self._scheduler is not None
-        return self._scheduler.request_finished(request, (block_ids,))
+        return self._sched.request_finished(request, (block_ids,))
 
     @override
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        assert self._scheduler is not None
-        return self._scheduler.request_finished(request, block_ids)
+        return self._sched.request_finished(request, block_ids)
 
     @override
     def has_pending_push_work(self) -> bool:
@@ -226,13 +241,11 @@ class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):
 
     @override
     def reset_cache(self) -> bool | None:
-        assert self._scheduler is not None
-        return self._scheduler.reset()
+        return self._sched.reset()
 
     def statistics(self) -> SchedulerStatistics:
         """kvferry's scheduler-side counters (scheduler role only)."""
-        assert self._scheduler is not None, "statistics() is kept by the scheduler half"
-        return self._scheduler.statistics()
+        return self._sched.statistics()
 
     @override
     def shutdown(self) -> None:

@@ -34,9 +34,18 @@ class KVFerryMetadata(KVConnectorMetadata):
     """Stores that must end before this step's forward (their blocks are being reused)."""
     release_req_ids: list[str] = attrs.field(factory=list)
     """Finished requests whose blocks vLLM keeps until their stores end (finished_sending)."""
+    failed_load_job_ids: list[int] = attrs.field(factory=list)
+    """Loads the scheduler ended as failed at their deadline: whenever the copy ends, its
+    engine blocks are reported invalid (their host slots may have been reused since)."""
 
     def is_empty(self) -> bool:
-        return not (self.loads or self.stores or self.flush_job_ids or self.release_req_ids)
+        return not (
+            self.loads
+            or self.stores
+            or self.flush_job_ids
+            or self.release_req_ids
+            or self.failed_load_job_ids
+        )
 
 
 @attrs.define(kw_only=True)
@@ -47,7 +56,11 @@ class KVFerryWorkerMetadata(KVConnectorWorkerMetadata):
     """Transfer counters of this step (bytes and seconds per direction)."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        assert isinstance(other, KVFerryWorkerMetadata)
+        if not isinstance(other, KVFerryWorkerMetadata):
+            raise TypeError(
+                f"kvferry's worker metadata merged with a {type(other).__name__} "
+                "(another connector's?)"
+            )
         acks = {k: list(v) for k, v in self.acks.items()}
         for job_id, (done, failed) in other.acks.items():
             mine = acks.setdefault(job_id, [0, 0])

@@ -20,7 +20,7 @@ sliding-window block while its request still runs; a store still reading one is 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -29,7 +29,7 @@ import numpy.typing as npt
 
 from .. import traces
 from .._config import FerryConfig
-from .._errors import ConfigError
+from .._errors import ConfigError, InvariantError
 from .._logging import get_logger
 from .._metrics import counter_values, gauge_values
 from ..actors import ActorRef, ActorSystem, start_runtime
@@ -39,12 +39,14 @@ from ..cache import (
     DirectoryMsg,
     DirectoryStatistics,
     GetStatistics,
-    Lookup,
-    LookupEach,
+    Lease,
+    LookupAndPin,
     PrepareLoad,
     PrepareStore,
     ResetCache,
     TakeEvents,
+    Touch,
+    Unpin,
     spawn_host_tier,
     to_vllm_events,
 )
@@ -164,7 +166,7 @@ def windowed_hit(ready: npt.NDArray[np.bool_], windows: tuple[int | None, ...]) 
                 end = start + int(np.flatnonzero(~window)[-1])
                 break
         else:
-            return end
+            return int(end)
     return 0
 
 
@@ -253,13 +255,23 @@ class _Job:
     """Sliding-window blocks this store reads, which vLLM may free before it ends."""
     keys: tuple[bytes, ...] = ()
     """The keys a load fills (another request needing them waits for it)."""
+    deadline: float = float("inf")
+    """For a load: when, unacknowledged, it is ended as failed (``job_timeout_s``)."""
 
 
 class SchedulerSide:
+    """``clock``: seconds, monotonic; load deadlines are measured on it (tests inject one)."""
+
     def __init__(
-        self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg: FerryConfig
+        self,
+        vllm_config: VllmConfig,
+        kv_cache_config: KVCacheConfig,
+        cfg: FerryConfig,
+        *,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.cfg = cfg
+        self._clock = clock
         self.world_size = vllm_config.parallel_config.world_size
         self.geometry = plan_geometry(
             cfg, kv_cache_config, vllm_config.cache_config.block_size, self.world_size
@@ -271,7 +283,7 @@ class SchedulerSide:
         self._pending_loads: list[JobSpec] = []
         self._pending_stores: list[JobSpec] = []
         self._pending_releases: list[str] = []
-        self._c = dict.fromkeys(
+        self._c: dict[str, Any] = dict.fromkeys(
             (
                 "tokens_looked_up",
                 "tokens_hit",
@@ -303,6 +315,12 @@ class SchedulerSide:
         self._group_suffixes = [g.to_bytes(4, "big") for g in range(self.geometry.num_groups)]
         self._loading: dict[bytes, int] = {}
         """Key -> loads in flight filling it."""
+        self._expired: dict[int, _Job] = {}
+        """Loads ended at their deadline whose workers have not all reported yet."""
+        self._pending_failed_loads: list[int] = []
+        self._leases: dict[str, npt.NDArray[np.int64]] = {}
+        """Request -> the slots its last lookup pinned, until its blocks are allocated (or
+        this schedule pass ends without it)."""
         num_slots = self.geometry.num_slots
 
         kv_events = getattr(vllm_config, "kv_events_config", None)
@@ -386,12 +404,16 @@ class SchedulerSide:
         first = num_computed_tokens // ct
         keys = self._keys(request, first, n_chunks)
         t0 = time.time_ns()
+        # The hit is pinned (leased) in the same message that finds it: nothing may evict
+        # it before update_state_after_alloc turns the lease into the load's pins, and the
+        # lease ends with this schedule() pass (build_connector_meta) if it does not.
+        self._release_lease(request.request_id)
+        lease: Lease = self._ask(lambda r: LookupAndPin(keys=tuple(keys), each=geo.hybrid, reply=r))
         if geo.hybrid:
-            ready = self._ask(lambda r: LookupEach(keys=tuple(keys), reply=r))
+            ready = lease.ready if lease.ready is not None else np.zeros(0, np.bool_)
             hit_chunks = first + windowed_hit(ready.reshape(-1, geo.num_groups), geo.windows)
         else:
-            n_ready = self._ask(lambda r: Lookup(keys=tuple(keys), reply=r))
-            hit_chunks = first + n_ready // geo.num_groups
+            hit_chunks = first + lease.leading // geo.num_groups
         asked = n_chunks * ct - num_computed_tokens
         new_tokens = hit_chunks * ct - num_computed_tokens
         self.trace.lookup(
@@ -406,6 +428,7 @@ class SchedulerSide:
         st.counts = (asked, max(new_tokens, 0))
         if new_tokens <= 0:
             st.lookup = None
+            self._unpin(lease.slots)
             return 0, False
         if self._loading and any(
             k in self._loading for k in keys[: (hit_chunks - first) * geo.num_groups]
@@ -415,8 +438,11 @@ class SchedulerSide:
             # them twice (vLLM asks again next step).
             st.lookup = st.counts = None
             self._c["lookups_deferred"] += 1
+            self._unpin(lease.slots)
             return None, False
         st.lookup = (num_computed_tokens, hit_chunks)
+        if len(lease.slots):
+            self._leases[request.request_id] = lease.slots
         return new_tokens, True
 
     def update_state_after_alloc(
@@ -432,17 +458,34 @@ class SchedulerSide:
             self._c["tokens_looked_up"] += asked
             self._c["tokens_hit"] += hit
             self._c["tokens_missed"] += asked - hit
+        lease = self._leases.pop(request.request_id, None)
         if num_external_tokens == 0:
             st.lookup = None
+            if lease is not None:
+                self._unpin(lease)
             return
-        assert st.lookup is not None, "update_state_after_alloc without a matching lookup"
-        assert st.load_job is None, "a second load for a request with one in flight"
+        # Invariants of this bookkeeping (docs/architecture.md, "Invariants"): a load
+        # follows the positive lookup that announced it, for the tokens announced, and a
+        # request has one load at a time. Broken, the load fails and vLLM recomputes.
+        if st.lookup is None:
+            error = InvariantError("load_without_lookup", "external tokens never announced")
+            self._fail_load(st, blocks, lease, error, num_external_tokens=num_external_tokens)
+            return
+        if st.load_job is not None:
+            error = InvariantError("second_load", f"load {st.load_job} still in flight")
+            self._fail_load(st, blocks, lease, error, num_external_tokens=num_external_tokens)
+            return
         num_local, hit_chunks = st.lookup
         st.lookup = None
         geo = self.geometry
         bs, bpc, ct = geo.engine_block_size, geo.blocks_per_chunk, geo.chunk_tokens
         end_tok = num_local + num_external_tokens
-        assert end_tok == hit_chunks * ct, (num_local, num_external_tokens, hit_chunks)
+        if end_tok != hit_chunks * ct:
+            error = InvariantError(
+                "load_of_other_tokens", f"{num_external_tokens} tokens after {num_local}"
+            )
+            self._fail_load(st, blocks, lease, error, announced=hit_chunks * ct - num_local)
+            return
         first_chunk = num_local // ct
         G = geo.num_groups
         block_ids = blocks.get_block_ids()
@@ -459,14 +502,15 @@ class SchedulerSide:
                 wanted[np.unique(blk[live] // bpc - first_chunk), g] = True
         all_keys = self._keys(request, first_chunk, hit_chunks)
         keys = [k for k, w in zip(all_keys, wanted.ravel().tolist(), strict=True) if w]
-        found = self._ask(lambda r: PrepareLoad(keys=tuple(keys), reply=r))
-        job_id = self._new_job_id()
+        release = lease if lease is not None else np.zeros(0, np.int64)
+        found = self._ask(lambda r: PrepareLoad(keys=tuple(keys), release=release, reply=r))
         if found is None:
-            # Cannot happen while this thread is the directory's only client; if it does,
-            # the load fails cleanly and vLLM recomputes.
-            self._log.error("load_keys_vanished", req_id=request.request_id)
-            self.trace.failed(reason="load keys vanished", req_id=request.request_id)
-            found = np.full(len(keys), -1, dtype=np.int64)
+            # The lookup's lease kept these keys READY since; only a reset in between
+            # (which vLLM does not do inside one schedule pass) gets here.
+            error = InvariantError("load_keys_vanished", "a leased hit is no longer ready")
+            self._fail_load(st, blocks, None, error, keys=len(keys))
+            return
+        job_id = self._new_job_id()
         slots = np.full(wanted.size, -1, dtype=np.int64)
         slots[wanted.ravel()] = found
         slot_of = slots.reshape(-1, G)
@@ -485,6 +529,7 @@ class SchedulerSide:
             slots=slots,
             tokens=num_external_tokens,
             keys=tuple(keys),
+            deadline=self._clock() + self.cfg.job_timeout_s,
         )
         for k in keys:
             self._loading[k] = self._loading.get(k, 0) + 1
@@ -505,8 +550,68 @@ class SchedulerSide:
             )
         )
 
+    def _fail_load(
+        self,
+        st: _Req,
+        blocks: KVCacheBlocks,
+        lease: npt.NDArray[np.int64] | None,
+        error: InvariantError,
+        **context: Any,
+    ) -> None:
+        """vLLM allocated blocks for a load this bookkeeping cannot plan (a broken
+        invariant: a bug). Logged once; a load job that copies nothing is planned failed
+        (``failed_load_job_ids``): the workers report every block vLLM allocated for the
+        request invalid with its ``finished_recving``, so vLLM frees them and schedules the
+        request again from its local prefix cache (or fails it, with ``on_load_failure:
+        fail``). The engine keeps running."""
+        req_id = st.request.request_id
+        st.lookup = None
+        if lease is not None:
+            self._unpin(lease)
+        self._log.error(
+            "invariant_broken",
+            invariant=error.invariant,
+            error=str(error),
+            req_id=req_id,
+            **context,
+        )
+        job_id = self._new_job_id()
+        parts = []
+        for g, ids in enumerate(blocks.get_block_ids()):
+            dev = [b for b in ids if b != 0]  # 0: vLLM's null block
+            if dev:
+                parts.append(GroupBlocks(group=g, device_blocks=dev, host_rows=[-1] * len(dev)))
+        self._jobs[job_id] = _Job(
+            job_id=job_id,
+            req_id=req_id,
+            is_store=False,
+            slots=np.zeros(0, np.int64),
+            tokens=0,
+            failed=True,
+            deadline=self._clock() + self.cfg.job_timeout_s,
+        )
+        if st.load_job is None:
+            st.load_job = job_id
+        tp = self.trace.job_planned(req_id, job_id, direction="load", blocks=0, tokens=0)
+        self.trace.failed(reason=str(error), req_id=req_id, job_id=job_id)
+        self._pending_loads.append(
+            JobSpec(
+                req_id=req_id,
+                copy=CopyJob(job_id=job_id, direction="load", parts=tuple(parts)),
+                traceparent=tp,
+            )
+        )
+        self._pending_failed_loads.append(job_id)
+
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVFerryMetadata:
         from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
+
+        # Leases of lookups whose requests vLLM did not allocate in this schedule pass
+        # (no free blocks, a budget, an abort): it asks again in a later step.
+        if self._leases:
+            leases, self._leases = self._leases, {}
+            self._unpin(np.concatenate(list(leases.values())))
+        self._expire_loads()
 
         reused: set[int] = set()
         for req_id, new_block_ids, resumed in yield_req_data(scheduler_output):
@@ -549,8 +654,10 @@ class SchedulerSide:
             stores=self._pending_stores,
             flush_job_ids=sorted(flush),
             release_req_ids=self._pending_releases,
+            failed_load_job_ids=self._pending_failed_loads,
         )
         self._pending_loads, self._pending_stores, self._pending_releases = [], [], []
+        self._pending_failed_loads = []
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
@@ -573,11 +680,16 @@ class SchedulerSide:
         if st is None:
             return False, None
         st.finished = True
+        self._release_lease(request.request_id)
         self.trace.request_finished(request.request_id)
         info: dict[str, Any] = {"tokens_loaded": st.tokens_loaded}
         if st.error is not None:
             info["error"] = st.error
         params = {"kvferry": info}
+        if st.keys:
+            # Recency for the policy, as vLLM's own offloading applies it when a request
+            # finishes: its blocks (loaded, stored, or present) were just used.
+            self.directory_tell(Touch(keys=tuple(st.keys)))
         if st.load_job is not None:
             # Aborted while its load runs: vLLM frees the blocks at finished_recving.
             return True, params
@@ -655,7 +767,11 @@ class SchedulerSide:
 
     def has_pending_work(self) -> bool:
         return bool(
-            self._jobs or self._pending_loads or self._pending_stores or self._pending_releases
+            self._jobs
+            or self._pending_loads
+            or self._pending_stores
+            or self._pending_releases
+            or self._pending_failed_loads
         )
 
     def statistics(self) -> SchedulerStatistics:
@@ -767,6 +883,63 @@ class SchedulerSide:
     def directory_tell(self, msg: DirectoryMsg) -> None:
         self.runtime.call(self.directory.tell, msg)
 
+    def _unpin(self, slots: npt.NDArray[np.int64]) -> None:
+        if len(slots):
+            self.directory_tell(Unpin(slots=slots))
+
+    def _release_lease(self, req_id: str) -> None:
+        lease = self._leases.pop(req_id, None)
+        if lease is not None:
+            self._unpin(lease)
+
+    def _expire_loads(self) -> None:
+        """End, as failed, every load still unacknowledged at its deadline (invariant 7).
+
+        Its keys stop holding back other requests' lookups (they load the blocks
+        themselves), its host slots are unpinned, and the workers are told
+        (``failed_load_job_ids``) to report its engine blocks invalid however the copy
+        ends — a slot unpinned now may be overwritten while a late copy still reads it.
+        The request keeps waiting for the workers' ``finished_recving``, which only a copy
+        that ended sends: nothing writes to blocks vLLM recomputes.
+        """
+        now = self._clock()
+        late = [j for j in self._jobs.values() if not j.is_store and j.deadline <= now]
+        for job in late:
+            del self._jobs[job.job_id]
+            self._expired[job.job_id] = job
+            self._pending_failed_loads.append(job.job_id)
+            self._release_keys(job)
+            valid = job.slots[job.slots >= 0]
+            if len(valid):
+                self.directory_tell(CompleteLoad(slots=valid))
+            self._dir_dirty = True
+            self._c["loads_failed"] += 1
+            reason = f"no worker reported it within job_timeout_s={self.cfg.job_timeout_s}"
+            self._log.error(
+                "load_deadline_exceeded",
+                job_id=job.job_id,
+                req_id=job.req_id,
+                acks=job.acks,
+                world_size=self.world_size,
+            )
+            self.trace.job_ended(job.job_id, ok=False, error=reason)
+
+    def _release_keys(self, job: _Job) -> None:
+        for k in job.keys:
+            n = self._loading.pop(k) - 1
+            if n:
+                self._loading[k] = n
+
+    def _ack_expired(self, job: _Job, done: int) -> None:
+        """A worker reported a load that already ended at its deadline: all counted then."""
+        job.acks += done
+        if job.acks < self.world_size:
+            return
+        del self._expired[job.job_id]
+        st = self._reqs.get(job.req_id)
+        if st is not None and st.load_job == job.job_id:
+            st.load_job = None
+
     def _ack(self, meta: KVFerryWorkerMetadata) -> None:
         for key, value in meta.stats.items():
             if key in self._c:
@@ -774,7 +947,11 @@ class SchedulerSide:
         for job_id, (done, failed) in meta.acks.items():
             job = self._jobs.get(job_id)
             if job is None:
-                self._log.warning("ack_for_unknown_job", job_id=job_id)
+                expired = self._expired.get(job_id)
+                if expired is not None:
+                    self._ack_expired(expired, done)
+                else:
+                    self._log.warning("ack_for_unknown_job", job_id=job_id)
                 continue
             job.acks += done
             job.failed |= failed > 0
@@ -786,14 +963,12 @@ class SchedulerSide:
                 jobs.discard(job_id)
                 if not jobs:
                     del self._fences[block]
-            for k in job.keys:
-                n = self._loading.pop(k) - 1
-                if n:
-                    self._loading[k] = n
+            self._release_keys(job)
             self.trace.job_ended(
                 job_id,
                 ok=not job.failed,
                 error=None if not job.failed else f"{failed} worker(s) failed",
+                workers_failed=failed,
             )
             st = self._reqs.get(job.req_id)
             self._dir_dirty = True
@@ -813,7 +988,7 @@ class SchedulerSide:
                 self._c["loads_failed" if job.failed else "loads_done"] += 1
                 if not job.failed:
                     self._c["tokens_loaded"] += job.tokens
-                if st is not None:
+                if st is not None and st.load_job == job_id:
                     st.load_job = None
                     if not job.failed:
                         st.tokens_loaded += job.tokens

@@ -23,6 +23,7 @@ from ..transfer import (
     Flushed,
     FlushJobs,
     HostPool,
+    JobFailed,
     JobResult,
     LoadActor,
     PollFinished,
@@ -69,6 +70,12 @@ class WorkerSide:
         self._stores_of: dict[str, set[int]] = {}
         self._releasing: set[str] = set()
         self._load_errors: set[int] = set()
+        self._failed_recving: set[str] = set()
+        """Requests whose load failed, for a model of several KV-cache groups (vLLM takes
+        invalid block ids only for one group: block ids are per group)."""
+        self._planned_failures: list[JobResult] = []
+        self._failed_loads: set[int] = set()
+        """Loads the scheduler ended at their deadline: reported failed when they end."""
         self._acks: dict[int, list[int]] = {}
         self._provider = traces.setup(cfg.traces, role="worker")
         self.trace = traces.WorkerTracer(self._provider, rank=vllm_config.parallel_config.rank)
@@ -150,13 +157,34 @@ class WorkerSide:
         )
 
     def start_load_kv(self, meta: KVFerryMetadata) -> None:
+        # Before any of this step's stores is submitted (wait_for_save): a store may now
+        # write into the host slots these loads read.
+        failed = meta.failed_load_job_ids
+        if failed:
+            self._failed_loads.update(j for j in failed if j in self._load_req)
         if not meta.loads or self._refs is None:
             return
+        jobs = []
         for spec in meta.loads:
             blocks = [int(b) for p in spec.copy.parts for b in p.device_blocks]
             self._load_req[spec.copy.job_id] = (spec.req_id, blocks)
+            if failed and spec.copy.job_id in failed:
+                # Planned failed (the scheduler could not plan it): nothing to copy; its
+                # blocks are reported invalid by the next get_finished.
+                self._planned_failures.append(
+                    JobFailed(
+                        job_id=spec.copy.job_id,
+                        direction="load",
+                        error="failed by the scheduler",
+                        block_ids=tuple(blocks),
+                        reason="rejected",
+                    )
+                )
+            else:
+                jobs.append(spec.copy)
         self._remember_traces(meta.loads)
-        self._submit(self._refs.load, [s.copy for s in meta.loads])
+        if jobs:
+            self._submit(self._refs.load, jobs)
 
     def wait_for_save(self, meta: KVFerryMetadata) -> None:
         if self._refs is None:
@@ -188,6 +216,9 @@ class WorkerSide:
         if self._refs is None:
             return None, None
         results: list[JobResult] = self.runtime.call(self._poll, self._refs)  # type: ignore[union-attr]
+        if self._planned_failures:
+            results = self._planned_failures + results
+            self._planned_failures = []
         finished_recving: set[str] = set()
         now = time.time_ns()
         for res in results:
@@ -206,17 +237,24 @@ class WorkerSide:
                     error=res.error,
                     queued_ns=traced[1],
                 )
+            ok = res.ok
+            if res.job_id in self._failed_loads:
+                self._failed_loads.discard(res.job_id)
+                ok = False
             ack = self._acks.setdefault(res.job_id, [0, 0])
             ack[0] += 1
-            ack[1] += 0 if res.ok else 1
+            ack[1] += 0 if ok else 1
             key = res.direction
             self._stats[f"{key}_bytes"] = self._stats.get(f"{key}_bytes", 0.0) + res.nbytes
             self._stats[f"{key}_seconds"] = self._stats.get(f"{key}_seconds", 0.0) + res.seconds
             if res.direction == "load":
                 req_id, blocks = self._load_req.pop(res.job_id)
                 finished_recving.add(req_id)
-                if not res.ok:
-                    self._load_errors.update(blocks)
+                if not ok:
+                    if self.geometry.num_groups > 1:
+                        self._failed_recving.add(req_id)
+                    else:
+                        self._load_errors.update(blocks)
             else:
                 req_id = self._store_req.pop(res.job_id)
                 jobs = self._stores_of.get(req_id)
@@ -233,6 +271,12 @@ class WorkerSide:
         loads: list[JobResult] = await refs.load.ask(lambda r: PollFinished(reply=r))
         stores: list[JobResult] = await refs.store.ask(lambda r: PollFinished(reply=r))
         return loads + stores
+
+    def take_failed_recving(self) -> set[str]:
+        """Requests whose load failed, reported whole (several KV-cache groups); each is
+        also in ``finished_recving`` of the same or an earlier ``get_finished``."""
+        failed, self._failed_recving = self._failed_recving, set()
+        return failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -17,7 +17,6 @@ from ._jaeger import check_document as check_document
 from ._jaeger import merge_documents as merge_documents
 from ._journey import SchedulerTracer as SchedulerTracer
 from ._setup import setup as setup
-from ._spans import EVENT_EVICTED as EVENT_EVICTED
 from ._spans import EVENT_FAILED as EVENT_FAILED
 from ._spans import SPAN_COPY as SPAN_COPY
 from ._spans import SPAN_LOAD as SPAN_LOAD
@@ -31,7 +30,6 @@ from ._spans import parse_traceparent as parse_traceparent
 from ._summary import summarize as summarize
 
 __all__ = [
-    "EVENT_EVICTED",
     "EVENT_FAILED",
     "KEYS",
     "SPAN_COPY",

@@ -18,7 +18,6 @@ from opentelemetry.trace import Span, Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
 from ._spans import (
-    EVENT_EVICTED,
     EVENT_FAILED,
     PROPAGATOR,
     SPAN_LOAD,
@@ -231,20 +230,6 @@ class SchedulerTracer:
             self._end_journey(job.req_id, j)
 
     # -- events --------------------------------------------------------------------------
-
-    def evicted(
-        self, *, blocks: int, reason: str, req_id: str | None = None, job_id: int | None = None
-    ) -> None:
-        """Blocks were evicted (``reason``: "lru", "capacity", ...) to make room.
-
-        The event goes on the job span that caused it when open, else on the journey.
-        """
-        self.add_event(
-            EVENT_EVICTED,
-            req_id=req_id,
-            job_id=job_id,
-            attributes={"kvferry.reason": reason, "kvferry.blocks": blocks},
-        )
 
     def failed(self, *, reason: str, req_id: str | None = None, job_id: int | None = None) -> None:
         """Something failed outside a job's end (a vanished key, a rejected store)."""

@@ -41,7 +41,6 @@ SPAN_LOAD: Final = "load kv_blocks"
 SPAN_STORE: Final = "store kv_blocks"
 SPAN_COPY: Final = "copy kv_blocks"
 """Worker side: the copy of one job, on one worker."""
-EVENT_EVICTED: Final = "evicted"
 EVENT_FAILED: Final = "failed"
 
 Direction = Literal["load", "store"]

@@ -6,9 +6,6 @@ Two strategies, one bridge:
 - *poll*: :meth:`CompletionBridge.poll` queries every pending completion (never blocks)
   and returns the ones that ended. The facade polls once per engine step, so a job
   submitted in step N is seen ended in the first step after it ended.
-  :meth:`CompletionBridge.wait_polled` waits until a poll has seen a token end; given an
-  ``interval`` it runs the polls itself (``anyio.sleep`` between them, and only while
-  it waits, so an idle runtime never spins).
 - *thread*: :meth:`CompletionBridge.wait` hands one completion to a worker thread that
   blocks in ``synchronize()`` (CUDA events are created ``blocking=True``, so it sleeps).
 
@@ -40,7 +37,6 @@ class CompletionBridge(Generic[K]):
     def __init__(self) -> None:
         self._pending: dict[K, Completion] = {}
         self._ended: list[tuple[K, BaseException | None]] = []
-        self._waiters: dict[K, anyio.Event] = {}
 
     def __len__(self) -> int:
         """Completions not yet seen ended."""
@@ -70,9 +66,6 @@ class CompletionBridge(Generic[K]):
                 continue
             del self._pending[token]
             self._ended.append((token, error))
-            waiter = self._waiters.pop(token, None)
-            if waiter is not None:
-                waiter.set()
 
     def poll(self) -> list[tuple[K, BaseException | None]]:
         """Every completion that has ended since the last poll, with its error (None if
@@ -92,20 +85,3 @@ class CompletionBridge(Generic[K]):
         if completion is None or completion.query():
             return
         await anyio.to_thread.run_sync(completion.synchronize, abandon_on_cancel=True)
-
-    async def wait_polled(self, token: K, *, interval: float | None = None) -> None:
-        """*Poll* strategy: wait until a sweep has seen ``token``'s completion end.
-
-        Without ``interval``, someone else's :meth:`poll` must run; with it, this
-        coroutine sweeps every ``interval`` seconds. Does not consume the result.
-        """
-        if token not in self._pending:
-            return
-        event = self._waiters.setdefault(token, anyio.Event())
-        if interval is None:
-            await event.wait()
-            return
-        while not event.is_set():
-            self._sweep()
-            if not event.is_set():
-                await anyio.sleep(interval)

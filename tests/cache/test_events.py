@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
 from kvferry.cache import AllBlocksCleared, BlocksRemoved, BlocksStored, EventBuffer, replay
@@ -64,3 +65,22 @@ def test_conversion_to_vllm_events() -> None:
         ([x2], 1, "CPU"),
     ]
     assert isinstance(out[-1], VCleared)
+
+
+def test_merging_costs_time_linear_in_the_keys_of_a_step() -> None:
+    """One key at a time, a step's records are not rebuilt at every merge: the keys that
+    pass through the records' constructors are those given plus those taken, not 1 + 2 +
+    ... + n (quadratic)."""
+    converted = [0]
+
+    @attrs.frozen(kw_only=True)
+    class CountedStored(BlocksStored):
+        def __attrs_post_init__(self) -> None:
+            converted[0] += len(self.keys)
+
+    n = 2_000
+    buf = EventBuffer()
+    buf.extend(CountedStored(keys=[k(i)]) for i in range(n))
+    [merged] = buf.take()
+    assert merged == CountedStored(keys=[k(i) for i in range(n)])
+    assert converted[0] <= 3 * n

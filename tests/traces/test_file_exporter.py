@@ -50,7 +50,7 @@ def play_requests(sched: SchedulerTracer, n: int) -> list[tuple[str, int]]:
         assert tp is not None
         loads.append((tp, 2 * i + 1))
         sched.job_planned(rid, 2 * i + 2, direction="store", blocks=2, tokens=256)
-        sched.evicted(blocks=1, reason="lru", req_id=rid, job_id=2 * i + 2)
+        sched.failed(reason="rejected", req_id=rid, job_id=2 * i + 2)
     return loads
 
 
@@ -130,9 +130,12 @@ def test_jaeger_fields_are_typed_and_in_microseconds(two_process_files: tuple[Pa
         s for s in spans if {"key": "error", "type": "bool", "value": True} in s["tags"]
     ]
     assert len(store_failed) == 1 and store_failed[0]["operationName"] == "store kv_blocks"
-    evicted = [log for s in spans for log in s["logs"]]
-    assert {"key": "event", "type": "string", "value": "evicted"} in evicted[0]["fields"]
-    assert {"key": "kvferry.reason", "type": "string", "value": "lru"} in evicted[0]["fields"]
+    logs = [log["fields"] for s in spans for log in s["logs"]]
+    assert any(
+        {"key": "event", "type": "string", "value": "failed"} in fields
+        and {"key": "kvferry.reason", "type": "string", "value": "rejected"} in fields
+        for fields in logs
+    )
     now_us = time.time_ns() // 1000
     assert all(now_us - 600_000_000 < s["startTime"] <= now_us for s in spans)
     load = next(s for s in spans if s["operationName"] == SPAN_LOAD)

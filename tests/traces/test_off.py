@@ -38,7 +38,6 @@ def drive(sched: SchedulerTracer, worker: WorkerTracer) -> None:
         start_ns=1,
         end_ns=2,
     )
-    sched.evicted(blocks=1, reason="lru", req_id="r", job_id=1)
     sched.failed(reason="x", req_id="r")
     sched.job_ended(1, ok=False, error="x")
     sched.request_finished("r")

@@ -11,7 +11,6 @@ from opentelemetry.trace import StatusCode
 
 import kvferry.traces
 from kvferry.traces import (
-    EVENT_EVICTED,
     EVENT_FAILED,
     SPAN_COPY,
     SPAN_LOAD,
@@ -28,7 +27,6 @@ from .conftest import Recorder
 
 def test_public_api_is_pinned() -> None:
     assert sorted(kvferry.traces.__all__) == [
-        "EVENT_EVICTED",
         "EVENT_FAILED",
         "KEYS",
         "SPAN_COPY",
@@ -142,7 +140,7 @@ def test_a_request_first_seen_at_lookup_or_planning_gets_a_journey(
 def test_unknown_ids_are_ignored(sched: SchedulerTracer, sched_rec: Recorder) -> None:
     sched.job_ended(99, ok=False)
     sched.request_finished("nobody")
-    sched.evicted(blocks=1, reason="lru", req_id="nobody", job_id=99)
+    sched.failed(reason="x", req_id="nobody", job_id=99)
     assert sched_rec.spans() == []
 
 
@@ -240,22 +238,20 @@ def test_failed_copy_has_error_status(
     sched.close_all()
 
 
-def test_eviction_goes_on_the_job_that_caused_it_else_on_the_journey(
+def test_a_failure_goes_on_the_job_it_concerns_else_on_the_journey(
     sched: SchedulerTracer, sched_rec: Recorder
 ) -> None:
     sched.request_started("r")
     sched.job_planned("r", 1, direction="store", blocks=4, tokens=512)
-    sched.evicted(blocks=3, reason="lru", req_id="r", job_id=1)
+    sched.failed(reason="invariant", req_id="r", job_id=1)
     sched.job_ended(1, ok=True)
-    sched.evicted(blocks=1, reason="capacity", req_id="r", job_id=1)  # job ended: the journey
-    sched.failed(reason="store rejected: host tier full", req_id="r")
+    sched.failed(reason="store rejected: host tier full", req_id="r", job_id=1)  # job ended
     sched.request_finished("r")
     store, root = sched_rec.one(SPAN_STORE), sched_rec.one(SPAN_REQUEST)
     assert [(e.name, dict(e.attributes)) for e in store.events] == [
-        (EVENT_EVICTED, {"kvferry.reason": "lru", "kvferry.blocks": 3})
+        (EVENT_FAILED, {"kvferry.reason": "invariant"})
     ]
     assert [(e.name, e.attributes["kvferry.reason"]) for e in root.events] == [
-        (EVENT_EVICTED, "capacity"),
         (EVENT_FAILED, "store rejected: host tier full"),
     ]
 

@@ -127,40 +127,6 @@ async def test_bridge_waiter_thread_times_out() -> None:
     completion.fire()  # lets the abandoned thread end
 
 
-@pytest.mark.anyio
-async def test_bridge_poller_resolves_waiters_and_keeps_results_for_poll() -> None:
-    bridge: CompletionBridge[int] = CompletionBridge()
-    a, b = FakeCudaEvent(), FakeCudaEvent()
-    bridge.add(1, a)
-    bridge.add(2, b)
-    woke: list[int] = []
-
-    async def waiter(token: int) -> None:
-        await bridge.wait_polled(token)
-        woke.append(token)
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(waiter, 1)
-        tg.start_soon(waiter, 2)
-        await anyio.wait_all_tasks_blocked()
-        b.fire()
-        a.fire(RuntimeError("x"))
-        results = bridge.poll()
-    assert [t for t, _ in results] == [1, 2] and sorted(woke) == [1, 2]
-
-
-@pytest.mark.anyio
-async def test_bridge_poller_with_an_interval_polls_by_itself() -> None:
-    bridge: CompletionBridge[int] = CompletionBridge()
-    event = FakeCudaEvent()
-    bridge.add(1, event)
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(lambda: bridge.wait_polled(1, interval=0.001))
-        await anyio.wait_all_tasks_blocked()
-        event.fire()
-    assert bridge.poll() == [(1, None)]
-
-
 # ----------------------------------------------------------------- the actors
 
 

@@ -1,0 +1,72 @@
+"""A call that would break the directory's invariants (a bug elsewhere, or a user's policy)
+leaves the slots concerned alone, is logged and counted, and raises nothing: the engine
+it runs in keeps going, with or without ``python -O``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvferry.cache import Directory, LRUPolicy
+from kvferry.cache._testing import key as k
+
+
+def ready(d: Directory, *keys: bytes) -> np.ndarray:
+    slots = d.prepare_store(list(keys))
+    d.complete_store(slots, ok=True)
+    return slots
+
+
+def test_unpinning_a_slot_not_pinned_leaves_it_alone(caplog: pytest.LogCaptureFixture) -> None:
+    d = Directory(4)
+    slots = ready(d, k(1), k(2))
+    pinned = d.prepare_load([k(1)])
+    assert pinned is not None
+    d.complete_load([int(pinned[0]), int(slots[1]), 99])  # slot 1 was never pinned; 99 no slot
+    assert d.invariant_errors == 1
+    assert "unpin_of_a_slot_not_pinned" in caplog.text
+    stats = d.statistics()
+    assert (stats.pinned, stats.ready, stats.loads_completed) == (0, 2, 1)
+    assert d.lookup([k(1), k(2)]) == 2
+
+
+def test_completing_a_store_twice_changes_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    d = Directory(4)
+    slots = ready(d, k(1))
+    d.complete_store(slots, ok=False)  # already READY: a failure now must not free it
+    assert d.invariant_errors == 1
+    assert "complete_store_of_a_slot_not_storing" in caplog.text
+    assert d.lookup([k(1)]) == 1 and d.used == 1
+
+
+class _Greedy(LRUPolicy):
+    """Offers every slot, evictable or not, twice."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.capacity = capacity
+
+    def victims(self, n: int, evictable: Any, tags: np.ndarray) -> np.ndarray:
+        everything = np.arange(self.capacity, dtype=np.int64)
+        return np.concatenate([everything, everything])
+
+
+def test_a_policy_choosing_pinned_or_storing_slots_evicts_only_its_valid_choices(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    d = Directory(4, policy=_Greedy(4), watermarks=(1.0, 1.0))
+    ready(d, k(1), k(2))
+    assert d.prepare_load([k(1)]) is not None  # pinned
+    storing = d.prepare_store([k(3)])  # STORING
+    d.prepare_store([k(4)])
+    # Full: the next store evicts inline, and the policy offers everything.
+    new = d.prepare_store([k(5)])
+    assert new[0] >= 0
+    assert d.invariant_errors == 1
+    assert "policy_chose_a_slot_not_evictable" in caplog.text
+    assert d.lookup([k(1)]) == 1  # the pinned block stayed
+    assert d.lookup([k(2)]) == 0  # the one evictable block went
+    d.complete_store(storing, ok=True)
+    assert d.lookup([k(3)]) == 1
