@@ -118,15 +118,16 @@ class KVFerryDriver:
         d = self.d
         n = d.lookup(keys)
         load = d.prepare_load(keys[:n]) if n else None
-        return n, (load, d.prepare_store(keys[n:]))
+        return n, (keys, load, d.prepare_store(keys[n:]))
 
     def finish(self, job: Any) -> None:
-        load, store = job
+        keys, load, store = job
         if load is not None:
             self.d.complete_load(load)
         store = store[store >= 0]
         if len(store):
             self.d.complete_store(store, True)
+        self.d.touch(keys)  # the connector's Touch when a request ends (head first)
 
     def idle(self) -> None:
         if self.d.room_short():

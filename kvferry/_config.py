@@ -78,7 +78,7 @@ class FerryConfig:
     """Import path ``"package.module:factory"`` of a copy engine factory(layout, pool)."""
     eviction_policy: str = "lru"
     """"lru", "arc", "s3fifo", or a user policy ``"package.module:Class"``."""
-    eviction_watermarks: tuple[float, float] = (0.97, 0.99)
+    eviction_watermarks: tuple[float, float] = (1.0, 1.0)
     """(low, high) occupancy between which the evictor keeps the host tier."""
     store_threshold: int = 1
     """Store a block only once it was offered this many times (1: store at once)."""
@@ -148,7 +148,7 @@ class FerryConfig:
                 "eviction_policy", f"must be a name or an import path, got {policy!r}"
             )
         make_policy(policy, 1)  # raises a ConfigError naming eviction_policy
-        watermarks = check_watermarks(extra.get("eviction_watermarks", (0.97, 0.99)))
+        watermarks = check_watermarks(extra.get("eviction_watermarks", (1.0, 1.0)))
         threshold = check_store_threshold(extra.get("store_threshold", 1))
         tracker = _positive_int(
             "store_threshold_tracker_size", extra.get("store_threshold_tracker_size", 64_000)

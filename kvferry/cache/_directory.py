@@ -184,16 +184,14 @@ class Directory:
 
         A lookup's hit is leased until the engine allocates its blocks (then
         :meth:`prepare_load` pins it for the load) or gives up (:meth:`unpin`), so that no
-        eviction comes in between. A lease is recency for the policy, not a reuse.
+        eviction comes in between. A lease is not recency: a waiting request is looked up
+        again every step, and its blocks get their recency when it ends (:meth:`touch`).
         """
         get, st, pins = self._slot_of.get, self._st, self._pn
         slots = [s for key in keys if (s := get(key, -1)) >= 0 and st[s] == READY]
         for s in slots:
             pins[s] += 1
-        out = np.array(slots, np.int64)
-        if slots:
-            self.policy.touch(out)
-        return out
+        return np.array(slots, np.int64)
 
     def unpin(self, slots: npt.ArrayLike) -> int:
         """Release one pin of each of ``slots`` (a load's or a lease's); returns how many."""

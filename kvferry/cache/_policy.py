@@ -105,7 +105,11 @@ class LRUPolicy:
         self._lru.enter(slots, 1)
 
     def reuse(self, slots: I64) -> None:
-        self._lru.refresh(slots)
+        # Not stamped here: a request's blocks are offered (and loaded) tail after head,
+        # which would make a document's tail newer than its head. The request's Touch when
+        # it ends stamps them all, head last (as vLLM's own manager does), so tails shared
+        # by fewer requests leave first (benchmarks/scheduler_overhead.py, "Hit tokens").
+        pass
 
     def touch(self, slots: I64) -> None:
         self._lru.refresh(slots)

@@ -124,7 +124,7 @@ class ModelDirectory:
         _expect([self.entries[k].slot for k in keys] == slots.tolist(), "pinned the wrong slots")
         for k in keys:
             self.entries[k].pins += 1
-        self._stamp(keys)
+        # LRU: a load is no recency of its own; the request's touch when it ends is.
 
     def apply_complete_load(self, slots: I64) -> None:
         for s in slots.tolist():
@@ -139,8 +139,8 @@ class ModelDirectory:
         return [k for k in keys if k in self.entries and self.entries[k].ready]
 
     def apply_prepare_store(self, keys: Sequence[Key], slots: I64) -> None:
-        """After :meth:`apply_evicted` of the evictions the call made."""
-        self._stamp(self.present_ready(keys))
+        """After :meth:`apply_evicted` of the evictions the call made (a READY key offered
+        again is no recency for LRU: the request's touch when it ends is)."""
         seen: set[Key] = set()
         full = False
         for k, s in zip(keys, slots.tolist(), strict=True):

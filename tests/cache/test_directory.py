@@ -63,7 +63,8 @@ def test_lru_evicts_the_least_recently_used_ready_block() -> None:
     d = Directory(2, watermarks=(1.0, 1.0), events=True)
     store(d, k(1))
     store(d, k(2))
-    d.complete_load(d.prepare_load([k(1)]))  # k(1) used more recently than k(2)
+    d.complete_load(d.prepare_load([k(1)]))
+    d.touch([k(1)])  # the request that loaded k(1) ended: used more recently than k(2)
     d.take_events()
     store(d, k(3))
     assert evicted(d) == [k(2)]
