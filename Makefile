@@ -15,7 +15,7 @@ FLOOR_TESTS := tests/actors tests/cache tests/transfer tests/traces tests/tiers 
 	tests/test_ferry.py tests/test_private_api.py --ignore=tests/transfer/test_cuda_engine.py \
 	-k "not cuda-logic and not test_every_path_writes_the_same_host_rows"
 
-.PHONY: demo test test-main test-floor bench venv clean
+.PHONY: demo test lint test-main test-floor bench venv clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -46,9 +46,15 @@ demo: $(STAMP)
 # Both suites run; either one failing fails `make test`.
 test: $(STAMP) $(FLOOR_STAMP)
 	@status=0; \
+	$(MAKE) --no-print-directory lint || status=1; \
 	$(MAKE) --no-print-directory test-main || status=1; \
 	$(MAKE) --no-print-directory test-floor || status=1; \
 	exit $$status
+
+# ruff (the rules in pyproject.toml) and mypy --strict on kvferry/.
+lint: $(STAMP)
+	$(VPY) -m ruff check kvferry tests benchmarks examples
+	$(VPY) -m mypy
 
 test-main: $(STAMP)
 	$(VPY) -m pytest -q
