@@ -75,7 +75,8 @@ class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):
             raise ValueError("KVFerryConnector needs vLLM's kv_cache_config")
         # The base class checked that it is set; this is the object it keeps.
         transfer_config = vllm_config.kv_transfer_config
-        assert transfer_config is not None
+        if transfer_config is None:
+            raise ValueError("KVFerryConnector needs vLLM's kv_transfer_config")
         cfg = FerryConfig.from_dict(transfer_config.kv_connector_extra_config)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
