@@ -59,12 +59,13 @@ kvferry's ``store_decoded: false``), the headline figures; then decoded blocks t
 
 Hit tokens: both connectors see the same requests and the same engine steps, so a
 difference in ``hit_tokens`` is a difference in what their host tiers held when asked.
-What made kvferry hit fewer (75,328 against 80,336 on the default workload, prompt
+What made kvferry hit fewer (75,328 against vLLM's 80,336 on the default workload, prompt
 blocks only, before it was fixed): its evictor kept 1-3% of the tier free (watermarks
-0.97/0.99: ~3,800 tokens), and its LRU order was the order blocks were offered for store,
-so a document's head was older than its tail, where vLLM's manager re-stamps a finished
-request's blocks head last (``on_request_finished``), so tails leave first and the
-prefixes that later requests share stay (~1,300 tokens more).
+0.97/0.99; with (1, 1): 78,000), and its LRU order was the order blocks were offered for
+store, so a document's head was older than its tail, where vLLM's manager re-stamps a
+finished request's blocks head last (``on_request_finished``), so tails leave first and
+the prefixes later requests share stay. With inline eviction by default, recency from a
+request's end and no recency from repeated lookups: 81,280 against 80,336.
 
 The last line printed is one JSON object with the figures. ``--quick`` runs a small one.
 """
