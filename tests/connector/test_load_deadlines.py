@@ -17,6 +17,7 @@ from kvferry.testing import FakeCudaDevice
 from kvferry.transfer import CopyJob, CudaCopyEngine, GroupBlocks, HostPool, KVLayout
 
 from ._steps import BLOCK, acked, allocated, key, request, step, store_keys
+from ._workers import fake_cuda_worker
 
 TIMEOUT_S = 5.0
 
@@ -121,22 +122,9 @@ def fake_cuda_engine(layout: KVLayout, pool: HostPool) -> CudaCopyEngine:
 
 @pytest.fixture
 def worker(make_vllm_config: Callable[..., Any], kv_cache_config: Any) -> Iterator[Any]:
-    from kvferry.connector._worker import WorkerSide
-
     extra = {"cpu_bytes_to_use": 8 << 20, "copy_engine": f"{__name__}:fake_cuda_engine"}
-    side = WorkerSide(make_vllm_config(extra), kv_cache_config, FerryConfig.from_dict(extra))
-    spec = kv_cache_config.kv_cache_groups[0]
-    kv = {
-        name: torch.randn(2, kv_cache_config.num_blocks, 128, 2, 64).bfloat16()
-        for name in spec.layer_names
-    }
-    side.register_kv_caches(kv)
-    try:
+    with fake_cuda_worker(make_vllm_config, kv_cache_config, extra, DEVICE) as side:
         yield side
-    finally:
-        side.shutdown()
-        for event in DEVICE.events:
-            event.fire()
 
 
 def test_a_worker_reports_a_load_the_scheduler_ended_as_failed_when_it_ends(worker: Any) -> None:

@@ -10,11 +10,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-import torch
 
-from kvferry import FerryConfig
 from kvferry.testing import FakeCudaDevice, FakeStream
 from kvferry.transfer import CopyJob, CudaCopyEngine, GroupBlocks, HostPool, KVLayout
+
+from ._workers import fake_cuda_worker
 
 DEVICE = FakeCudaDevice(fire_events=False)
 ENGINES: list[CudaCopyEngine] = []
@@ -28,26 +28,13 @@ def fake_cuda_engine(layout: KVLayout, pool: HostPool) -> CudaCopyEngine:
 
 @pytest.fixture
 def worker(make_vllm_config: Callable[..., Any], kv_cache_config: Any) -> Iterator[Any]:
-    from kvferry.connector._worker import WorkerSide
-
     extra = {
         "cpu_bytes_to_use": 8 << 20,
         "runtime": "thread",
         "copy_engine": f"{__name__}:fake_cuda_engine",
     }
-    side = WorkerSide(make_vllm_config(extra), kv_cache_config, FerryConfig.from_dict(extra))
-    spec = kv_cache_config.kv_cache_groups[0]
-    kv = {
-        name: torch.randn(2, kv_cache_config.num_blocks, 128, 2, 64).bfloat16()
-        for name in spec.layer_names
-    }
-    side.register_kv_caches(kv)
-    try:
+    with fake_cuda_worker(make_vllm_config, kv_cache_config, extra, DEVICE) as side:
         yield side
-    finally:
-        side.shutdown()
-        for event in DEVICE.events:
-            event.fire()
 
 
 def store_meta(job_id: int) -> Any:
