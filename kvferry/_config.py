@@ -60,6 +60,116 @@ def _positive_float(key: str, value: Any) -> float:
     return float(value)
 
 
+
+@attrs.frozen(kw_only=True)
+class DiskTierConfig:
+    """One ``{"kind": "disk", ...}`` entry of ``tiers``: a local directory of chunk files."""
+
+    index: int
+    """Its place in ``tiers`` (errors name ``tiers[index].<key>``)."""
+    path: str
+    bytes_to_use: int
+    """Bytes of files for the tier, in total across all workers of the engine."""
+    write: Literal["through"] = "through"
+    """"through": every block stored to host memory is written down in the background."""
+    eviction_policy: str = "lru"
+    store_threshold: int = 1
+    """Write a block only once it was offered this many times (limits an SSD's wear)."""
+    fsync: Literal["never", "always"] = "never"
+    io_depth: int = 2
+    """Worker threads doing the tier's file I/O, per worker."""
+    scan_budget_s: float = 60.0
+    """At start, the index is rebuilt from the files within this many seconds."""
+    kind: Literal["disk"] = "disk"
+
+    KEYS = (
+        "kind",
+        "path",
+        "bytes_to_use",
+        "write",
+        "eviction_policy",
+        "store_threshold",
+        "fsync",
+        "io_depth",
+        "scan_budget_s",
+    )
+
+
+def parse_tiers(value: Any) -> tuple[DiskTierConfig, ...]:
+    """``tiers``: a list of dicts; every error names ``tiers[i].<key>``.
+
+    ``path`` is checked here for its type only: whether it can be written is found when
+    the tier opens it, at engine start (:class:`~kvferry.tiers.DiskStore`), naming the key.
+    """
+    from .cache import check_store_threshold, make_policy
+
+    if isinstance(value, Mapping) or isinstance(value, str | bytes):
+        raise ConfigError("tiers", f"must be a list of tier dicts, got {value!r}")
+    try:
+        entries = list(value)
+    except TypeError:
+        raise ConfigError("tiers", f"must be a list of tier dicts, got {value!r}") from None
+    out = []
+    for i, entry in enumerate(entries):
+        name = f"tiers[{i}]"
+        if not isinstance(entry, Mapping):
+            raise ConfigError(name, f"must be a dict, got {entry!r}")
+        kind = entry.get("kind")
+        if kind != "disk":
+            raise ConfigError(f"{name}.kind", f"must be 'disk' (the kinds known), got {kind!r}")
+        unknown = sorted(set(entry) - set(DiskTierConfig.KEYS))
+        if unknown:
+            raise ConfigError(
+                f"{name}.{unknown[0]}",
+                f"unknown key (known keys: {', '.join(DiskTierConfig.KEYS)})",
+            )
+        path = entry.get("path")
+        if not isinstance(path, str | os.PathLike) or not os.fspath(path):
+            raise ConfigError(f"{name}.path", f"must be a directory path, got {path!r}")
+        if "bytes_to_use" not in entry:
+            raise ConfigError(f"{name}.bytes_to_use", "is required (bytes of files to use)")
+        size = _positive_int(f"{name}.bytes_to_use", entry["bytes_to_use"])
+        write = entry.get("write", "through")
+        if write == "on_evict":
+            raise ConfigError(f"{name}.write", "'on_evict' is not available yet; use 'through'")
+        if write != "through":
+            raise ConfigError(f"{name}.write", f"must be 'through', got {write!r}")
+        policy = entry.get("eviction_policy", "lru")
+        if not isinstance(policy, str):
+            raise ConfigError(
+                f"{name}.eviction_policy", f"must be a name or an import path, got {policy!r}"
+            )
+        try:
+            make_policy(policy, 1)
+        except ConfigError as exc:
+            raise ConfigError(f"{name}.eviction_policy", exc.detail) from None
+        try:
+            threshold = check_store_threshold(entry.get("store_threshold", 1))
+        except ConfigError as exc:
+            raise ConfigError(f"{name}.store_threshold", exc.detail) from None
+        fsync = entry.get("fsync", "never")
+        if fsync not in ("never", "always"):
+            raise ConfigError(f"{name}.fsync", f"must be 'never' or 'always', got {fsync!r}")
+        io_depth = _positive_int(f"{name}.io_depth", entry.get("io_depth", 2))
+        budget = _positive_float(f"{name}.scan_budget_s", entry.get("scan_budget_s", 60.0))
+        out.append(
+            DiskTierConfig(
+                index=i,
+                path=os.fspath(path),
+                bytes_to_use=size,
+                write=write,
+                eviction_policy=policy,
+                store_threshold=threshold,
+                fsync=fsync,
+                io_depth=io_depth,
+                scan_budget_s=budget,
+            )
+        )
+    if len(out) > 1:
+        raise ConfigError("tiers[1]", "one disk tier is supported below host memory")
+    return tuple(out)
+
+
 @attrs.frozen(kw_only=True)
 class FerryConfig:
     """What a user sets in ``kv_connector_extra_config`` (or passes to :class:`Ferry`)."""
@@ -89,6 +199,8 @@ class FerryConfig:
     store_decoded: bool = True
     """Store blocks of generated tokens too (a conversation's next turn reuses them);
     False stores prompt blocks only, as vLLM's OffloadingConnector does by default."""
+    tiers: tuple[DiskTierConfig, ...] = ()
+    """Tiers below host memory, in order (today: at most one ``"disk"`` tier)."""
 
     KEYS = (
         "cpu_bytes_to_use",
@@ -103,6 +215,7 @@ class FerryConfig:
         "store_threshold_tracker_size",
         "traces",
         "store_decoded",
+        "tiers",
     )
 
     @classmethod
@@ -163,7 +276,9 @@ class FerryConfig:
             if not isinstance(traces, Mapping):
                 raise ConfigError("traces", f"must be a dict of trace settings, got {traces!r}")
             resolve_config(traces)  # raises a ConfigError naming the bad traces.<key>
+        tiers = parse_tiers(extra.get("tiers", ()))
         return cls(
+            tiers=tiers,
             cpu_bytes_to_use=cpu_bytes,
             eviction_policy=policy,
             eviction_watermarks=watermarks,

@@ -16,6 +16,7 @@ class ConfigError(KVFerryError, ValueError):
     def __init__(self, key: str, message: str) -> None:
         super().__init__(f"kvferry config {key!r}: {message}")
         self.key = key
+        self.detail = message
 
 
 class ActorStopped(KVFerryError):

@@ -2,13 +2,16 @@
 
 Scheduler → workers: :class:`KVFerryMetadata` (this step's load and store jobs, the
 stores to wait for before blocks are reused, the requests whose blocks are released once
-their stores end). Workers → scheduler: :class:`KVFerryWorkerMetadata` (acknowledged jobs),
-merged across workers by ``aggregate``.
+their stores end, the disk tier's writes and deletes). Workers → scheduler:
+:class:`KVFerryWorkerMetadata` (acknowledged jobs, per-chunk disk outcomes), merged across
+workers by ``aggregate``.
 """
 
 from __future__ import annotations
 
 import attrs
+import numpy as np
+import numpy.typing as npt
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
@@ -18,12 +21,33 @@ from ..transfer import CopyJob
 
 
 @attrs.define(kw_only=True)
+class DiskChunks:
+    """Chunks between host slots and the disk tier: ``keys[i]`` <-> host slot ``slots[i]``
+    (a slot holds one offloaded block of one KV-cache group)."""
+
+    keys: list[bytes]
+    slots: npt.NDArray[np.int64]
+
+
+@attrs.define(kw_only=True)
 class JobSpec:
     """One transfer job for every worker: the copy, and the request it serves."""
 
     req_id: str
     copy: CopyJob
     traceparent: str | None = None
+    disk_reads: DiskChunks | None = None
+    """A load only: read these chunks from the disk tier into their host slots (reserved
+    for it) first; the copy starts once all are read and verified. Any that fails fails
+    the load on that worker (its blocks are recomputed)."""
+
+
+@attrs.define(kw_only=True)
+class DiskWriteSpec:
+    """Write host slots down to the disk tier (slots pinned until every worker acked)."""
+
+    job_id: int
+    chunks: DiskChunks
 
 
 @attrs.define(kw_only=True)
@@ -37,6 +61,11 @@ class KVFerryMetadata(KVConnectorMetadata):
     failed_load_job_ids: list[int] = attrs.field(factory=list)
     """Loads the scheduler ended as failed at their deadline: whenever the copy ends, its
     engine blocks are reported invalid (their host slots may have been reused since)."""
+    disk_writes: list[DiskWriteSpec] = attrs.field(factory=list)
+    """Disk-tier writes, queued after this step's stores (``wait_for_save``)."""
+    disk_deletes: list[bytes] = attrs.field(factory=list)
+    """Keys the disk tier evicted (or found on some workers only): files to delete, before
+    this step's disk writes (a key may be written again later)."""
 
     def is_empty(self) -> bool:
         return not (
@@ -45,6 +74,8 @@ class KVFerryMetadata(KVConnectorMetadata):
             or self.flush_job_ids
             or self.release_req_ids
             or self.failed_load_job_ids
+            or self.disk_writes
+            or self.disk_deletes
         )
 
 
@@ -53,7 +84,10 @@ class KVFerryWorkerMetadata(KVConnectorWorkerMetadata):
     acks: dict[int, list[int]] = attrs.field(factory=dict)
     """job id → [workers that finished it, workers on which it failed]."""
     stats: dict[str, float] = attrs.field(factory=dict)
-    """Transfer counters of this step (bytes and seconds per direction)."""
+    """Transfer counters of this step (bytes and seconds per direction, disk I/O)."""
+    disk_failed: dict[int, list[int]] = attrs.field(factory=dict)
+    """job id -> per chunk of its disk reads (a load) or writes (a disk write), on how many
+    workers that chunk failed; reported with the job's ack (0 everywhere: all good)."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, KVFerryWorkerMetadata):
@@ -69,4 +103,11 @@ class KVFerryWorkerMetadata(KVConnectorWorkerMetadata):
         stats = dict(self.stats)
         for k, v in other.stats.items():
             stats[k] = stats.get(k, 0.0) + v
-        return KVFerryWorkerMetadata(acks=acks, stats=stats)
+        disk_failed = {k: list(v) for k, v in self.disk_failed.items()}
+        for job_id, counts in other.disk_failed.items():
+            mine_counts = disk_failed.get(job_id)
+            if mine_counts is None:
+                disk_failed[job_id] = list(counts)
+            else:
+                disk_failed[job_id] = [a + b for a, b in zip(mine_counts, counts, strict=True)]
+        return KVFerryWorkerMetadata(acks=acks, stats=stats, disk_failed=disk_failed)
