@@ -60,7 +60,6 @@ def _positive_float(key: str, value: Any) -> float:
     return float(value)
 
 
-
 @attrs.frozen(kw_only=True)
 class DiskTierConfig:
     """One ``{"kind": "disk", ...}`` entry of ``tiers``: a local directory of chunk files."""
