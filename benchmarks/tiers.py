@@ -1,7 +1,11 @@
-"""The disk tier's write and read throughput against fio on the same path.
+"""The disk tier: its write and read throughput against fio on the same path, and
+long-document QA on vLLM (CPU) served from disk, after a pass and after a restart.
 
 Run with the project's venv: ``.venv/bin/python benchmarks/tiers.py [--quick]
-[--path DIR] [--trial-mib N] [--trials N]`` (needs ``fio``: ``apt-get install fio``).
+[--only fio|qa] [--path DIR] [--trial-mib N] [--trials N]`` (the fio part needs
+``fio``: ``apt-get install fio``).
+
+Part 1, throughput against fio.
 
 kvferry: ``TRIAL_MIB`` of chunks of ``CHUNK_MIB`` (one offloaded block of all layers)
 written from host slots (an aligned pool of ``POOL_SLOTS`` slots, as the host pool is) by
@@ -32,16 +36,40 @@ rotates every trial), so that a noisy neighbour on a shared disk hits both alike
 ratio is the median over ``TRIALS`` trials of kvferry GB/s ÷ fio GB/s in the same trial;
 raw GB/s are medians too. Files are deleted after each trial.
 
-Not yet here: the long-document workload's second pass served from disk and a warm
-restart, which come once the tier is wired into the connector.
+Part 2, long-document QA (vLLM CPU, the workload of benchmarks/long_doc_qa.py and its
+way of measuring: documents asked one request at a time, a pass timed as the sum of its
+requests, ``one_at_a_time``). Two engines alive together, on the same seeded documents:
 
-The last line printed is one JSON object with the figures.
+  recompute   no kvferry, a small engine cache emptied before each pass: every pass
+              recomputes (what a re-asked document costs without kvferry);
+  disk        kvferry with a host tier too small for the documents (about a document and
+              a half) and a disk tier under ``--path``: pass 1 computes and stores (each
+              block written through to disk), the engine cache is emptied, pass 2 re-asks
+              the documents in the same order, so every one was evicted from host memory
+              long before and is read disk -> host -> device.
+
+Each round uses fresh documents (pass 1 of the disk engine finds nothing stored) and runs
+both engines, in serpentine order (recompute, disk; then disk, recompute; ...) so drift
+of a shared machine cancels; ``pass2_recompute_vs_disk`` is the median recompute pass 2
+over the median disk pass 2. Then the disk engine is shut down (its disk writes done)
+and started again on the same path, ``RESTARTS`` times: each new engine rebuilds its
+index from the files, warms up on an unrelated prompt, and asks the last round's
+documents, timed against a recompute pass of the same documents beside it;
+``restart_recompute_vs_disk`` is the ratio of the medians. ``outputs_equal``: every
+output of every kvferry pass equals the recompute engine's for the same document.
+
+The model is long_doc_qa's (hidden 768, 6 layers: prefill compute, not vLLM's per-step
+overhead, dominates a pass); ``--quick`` runs the tiny model on 3 short documents, one
+round and one restart (figures mean little), and ``QUICK_TRIALS`` fio trials.
+
+The last line printed is one JSON object with the figures of both parts.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import statistics
@@ -52,8 +80,10 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import attrs
 import numpy as np
 import numpy.typing as npt
+from long_doc_qa import LARGE_MODEL, one_at_a_time, serpentine
 
 from kvferry.actors import ActorSystem, Reply
 from kvferry.tiers import (
@@ -166,15 +196,8 @@ async def trial(root: Path, nchunks: int, chunk: int, rotate: int) -> dict[str, 
     return figures
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--path", default="/var/tmp", help="a directory on the disk to test")
-    parser.add_argument("--trial-mib", type=int, default=TRIAL_MIB)
-    parser.add_argument("--trials", type=int, default=TRIALS)
-    parser.add_argument("--quick", action="store_true", help=f"{QUICK_TRIALS} trials")
-    args = parser.parse_args()
-    if shutil.which("fio") is None:
-        raise SystemExit("fio is not installed (apt-get install -y fio)")
+def fio_part(args: argparse.Namespace) -> dict[str, Any]:
+    """Part 1: prints its table, returns its figures."""
     trials = QUICK_TRIALS if args.quick else args.trials
     chunk = CHUNK_MIB << 20
     nchunks = args.trial_mib // CHUNK_MIB
@@ -220,6 +243,258 @@ def main() -> None:
         "trial_mib": args.trial_mib,
         "trials": trials,
     }
+    return result
+
+
+# ----------------------------------------------------------------------------- part 2
+
+
+@attrs.frozen(kw_only=True)
+class QASizes:
+    docs: int
+    doc_tokens: int
+    engine_blocks: int  # the engine's own cache, in 128-token blocks
+    max_model_len: int
+    rounds: int
+    restarts: int
+    model: dict[str, int]
+    eager: bool
+
+
+QUESTION_TOKENS = 8  # kvferry.testing.long_doc_prompts' default
+QA_FULL = QASizes(
+    docs=8,
+    doc_tokens=1500,
+    engine_blocks=24,
+    max_model_len=2048,
+    rounds=3,
+    restarts=2,
+    model=LARGE_MODEL,
+    eager=False,
+)
+QA_QUICK = QASizes(
+    docs=3,
+    doc_tokens=500,
+    engine_blocks=8,
+    max_model_len=768,
+    rounds=1,
+    restarts=1,
+    model={},
+    eager=True,
+)
+DISK_TIER_BYTES = 2 << 30
+DISK_TOKENS_HIT = "vllm:kvferry_disk_tokens_hit"  # the disk part of lookup hits
+
+
+def block_bytes(overrides: dict[str, int]) -> int:
+    """Bytes of one 128-token block of every layer (bf16 K and V) of the tiny model."""
+    from kvferry.testing import TINY_LLAMA_CONFIG
+
+    cfg = {**json.loads(TINY_LLAMA_CONFIG.read_text()), **overrides}
+    head_dim = cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+    return cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * 2 * 128
+
+
+@attrs.define
+class QAEngine:
+    name: str
+    kvferry: dict[str, Any] | None
+    llm: Any = None
+    pass1_s: list[float] = attrs.Factory(list)
+    pass2_s: list[float] = attrs.Factory(list)
+    restart_s: list[float] = attrs.Factory(list)
+    disk_tokens: list[int] = attrs.Factory(list)  # pass 2 of each round
+    restart_disk_tokens: list[int] = attrs.Factory(list)
+    tokens: list[dict[int, list[int]]] = attrs.Factory(list)  # every timed pass, in order
+
+
+def qa_start(model: str, sizes: QASizes, kvferry: dict[str, Any] | None) -> Any:
+    from vllm import LLM
+
+    from kvferry.testing import engine_args
+
+    return LLM(
+        **engine_args(
+            model,
+            kvferry=kvferry,
+            num_gpu_blocks=sizes.engine_blocks,
+            max_model_len=sizes.max_model_len,
+            enforce_eager=sizes.eager,
+            disable_log_stats=False,
+        )
+    )
+
+
+def timed_pass(eng: QAEngine, docs: list[list[int]]) -> tuple[float, int]:
+    """One pass over ``docs`` in order, one request at a time (long_doc_qa's way):
+    (seconds, tokens kvferry read from disk during it)."""
+    from kvferry.testing import kvferry_metrics
+
+    before = kvferry_metrics(eng.llm).get(DISK_TOKENS_HIT, 0)
+    seconds, tokens, _ = one_at_a_time(eng.llm, docs, list(range(len(docs))))
+    eng.tokens.append(tokens)
+    return seconds, int(kvferry_metrics(eng.llm).get(DISK_TOKENS_HIT, 0) - before)
+
+
+def qa_part(path: str, quick: bool) -> dict[str, Any]:
+    """Part 2: prints its table, returns its figures."""
+    from kvferry.testing import (
+        close_engine,
+        equal_cpu_threads,
+        long_doc_prompts,
+        make_tiny_model,
+        reset_engine_cache,
+        wait_for_disk_chunks,
+    )
+
+    sizes = QA_QUICK if quick else QA_FULL
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    logging.getLogger("vllm").setLevel(logging.WARNING)
+    equal_cpu_threads()  # else vLLM-CPU gives the engine with kvferry one more core
+    full_blocks = (sizes.doc_tokens + QUESTION_TOKENS) // 128
+    host_blocks = full_blocks * 3 // 2  # a document and a half
+    rounds = [
+        long_doc_prompts(sizes.docs, sizes.doc_tokens, seed=200 + r) for r in range(sizes.rounds)
+    ]
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="kvferry-bench-", dir=path) as tmp:
+        model = str(make_tiny_model(os.path.join(tmp, "model"), **sizes.model))
+        disk_dir = os.path.join(tmp, "disk")
+        ferry_cfg = {
+            "cpu_bytes_to_use": host_blocks * block_bytes(sizes.model),
+            "traces": {"enabled": False},
+            "tiers": [{"kind": "disk", "path": disk_dir, "bytes_to_use": DISK_TIER_BYTES}],
+        }
+        recompute = QAEngine("recompute (no kvferry)", None)
+        disk = QAEngine("kvferry, from disk", ferry_cfg)
+        stored = 0  # chunks the disk engine wrote (at least)
+        try:
+            for r, docs in enumerate(rounds):
+                for eng in serpentine([recompute, disk], r):
+                    if eng.llm is None:
+                        eng.llm = qa_start(model, sizes, eng.kvferry)
+                        warm = long_doc_prompts(1, sizes.doc_tokens, seed=100)
+                        one_at_a_time(eng.llm, warm, [0])  # compile before timing
+                        stored += full_blocks if eng is disk else 0
+                    reset_engine_cache(eng.llm)
+                    p1, _ = timed_pass(eng, docs)
+                    if eng is disk:
+                        stored += len(docs) * full_blocks
+                        wait_for_disk_chunks(disk_dir, stored, timeout_s=120)
+                    reset_engine_cache(eng.llm)  # the engine's own cache only
+                    p2, from_disk = timed_pass(eng, docs)
+                    eng.pass1_s.append(p1)
+                    eng.pass2_s.append(p2)
+                    if eng is disk:
+                        eng.disk_tokens.append(from_disk)
+                    print(
+                        f"  round {r + 1}/{sizes.rounds} {eng.name}: pass 1 {p1:.2f} s, "
+                        f"pass 2 {p2:.2f} s"
+                        + (f", {from_disk} tokens from disk" if eng is disk else ""),
+                        flush=True,
+                    )
+            # Warm restarts: a new engine on the same path, the last round's documents.
+            wait_for_disk_chunks(disk_dir, stored, timeout_s=120)
+            close_engine(disk.llm)
+            disk.llm = None
+            for k in range(sizes.restarts):
+                for eng in serpentine([recompute, disk], k):
+                    if eng is disk:
+                        disk.llm = qa_start(model, sizes, ferry_cfg)
+                        warm = long_doc_prompts(1, sizes.doc_tokens, seed=300 + k)
+                        one_at_a_time(disk.llm, warm, [0])  # compile; nothing to load
+                    reset_engine_cache(eng.llm)
+                    seconds, from_disk = timed_pass(eng, rounds[-1])
+                    eng.restart_s.append(seconds)
+                    if eng is disk:
+                        eng.restart_disk_tokens.append(from_disk)
+                        close_engine(disk.llm)
+                        disk.llm = None
+                    print(
+                        f"  restart {k + 1}/{sizes.restarts} {eng.name}: {seconds:.2f} s"
+                        + (f", {from_disk} tokens from disk" if eng is disk else ""),
+                        flush=True,
+                    )
+        finally:
+            for eng in (recompute, disk):
+                if eng.llm is not None:
+                    close_engine(eng.llm)
+                    eng.llm = None
+    took = time.perf_counter() - t0
+
+    # recompute's passes: per round pass 1, pass 2, then one per restart; disk's likewise.
+    outputs_equal = recompute.tokens == disk.tokens
+    med = statistics.median
+    pass2_ratio = med(recompute.pass2_s) / med(disk.pass2_s)
+    restart_ratio = med(recompute.restart_s) / med(disk.restart_s)
+    full_tokens = sizes.docs * full_blocks * 128
+    print(
+        f"\nlong-document QA from disk: {sizes.docs} documents x {sizes.doc_tokens} tokens a "
+        f"round, one request at a time; engine cache {sizes.engine_blocks} blocks, host tier "
+        f"{host_blocks} blocks (a document is {full_blocks}), disk tier under {path}; "
+        f"{sizes.rounds} rounds, {sizes.restarts} restarts, medians"
+    )
+    print(
+        f"{'configuration':<24} {'pass 1 (s)':>10} {'pass 2 (s)':>10} {'restart (s)':>11} "
+        f"{'from disk (tokens)':>19}   per round: pass 1 / pass 2 (s)"
+    )
+    for eng in (recompute, disk):
+        pairs = "  ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(eng.pass1_s, eng.pass2_s, strict=True))
+        tokens = (
+            f"{med(eng.disk_tokens):.0f} / {med(eng.restart_disk_tokens):.0f}"
+            if eng is disk
+            else "-"
+        )
+        print(
+            f"{eng.name:<24} {med(eng.pass1_s):>10.2f} {med(eng.pass2_s):>10.2f} "
+            f"{med(eng.restart_s):>11.2f} {tokens:>19}   {pairs}"
+        )
+    print(
+        f"pass 2: recompute / disk = {pass2_ratio:.2f}; after a restart: {restart_ratio:.2f}; "
+        f"a pass's full blocks are {full_tokens} tokens; outputs equal: {outputs_equal}   "
+        f"(part took {took:.0f} s)"
+    )
+    return {
+        "pass2_recompute_vs_disk": round(pass2_ratio, 3),
+        "restart_recompute_vs_disk": round(restart_ratio, 3),
+        "outputs_equal": outputs_equal,
+        "qa_pass2_s": {
+            "recompute": round(med(recompute.pass2_s), 3),
+            "disk": round(med(disk.pass2_s), 3),
+        },
+        "qa_restart_s": {
+            "recompute": round(med(recompute.restart_s), 3),
+            "disk": round(med(disk.restart_s), 3),
+        },
+        "qa_pass2_disk_tokens": int(med(disk.disk_tokens)),
+        "qa_restart_disk_tokens": int(med(disk.restart_disk_tokens)),
+        "qa_full_block_tokens": full_tokens,
+        "qa_host_blocks": host_blocks,
+        "qa_rounds": sizes.rounds,
+        "qa_restarts": sizes.restarts,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--path", default="/var/tmp", help="a directory on the disk to test")
+    parser.add_argument("--trial-mib", type=int, default=TRIAL_MIB)
+    parser.add_argument("--trials", type=int, default=TRIALS)
+    parser.add_argument("--only", choices=("fio", "qa"), help="run one part only")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"smoke run: {QUICK_TRIALS} fio trials, a tiny QA workload",
+    )
+    args = parser.parse_args()
+    if args.only != "qa" and shutil.which("fio") is None:
+        raise SystemExit("fio is not installed (apt-get install -y fio)")
+    result: dict[str, Any] = {}
+    if args.only != "qa":
+        result |= fio_part(args)
+    if args.only != "fio":
+        result |= qa_part(args.path, args.quick)
+    result["quick"] = args.quick
     print(json.dumps(result))
 
 

@@ -280,3 +280,54 @@ from ._faults import FaultPlan as FaultPlan  # noqa: E402
 from ._faults import SoakFaultEngine as SoakFaultEngine  # noqa: E402
 from ._faults import read_fault_log as read_fault_log  # noqa: E402
 from ._faults import soak_copy_engine as soak_copy_engine  # noqa: E402
+
+
+def reset_engine_cache(llm: Any, *, connector: bool = False, timeout_s: float = 60.0) -> None:
+    """Empty ``llm``'s own prefix cache (and, with ``connector``, kvferry's host tier), so
+    the next request finds nothing in the engine. vLLM refuses while a finished request
+    still holds blocks for its stores in flight: retried until it succeeds."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not llm.reset_prefix_cache(reset_connector=connector):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the engine's prefix cache was not reset in {timeout_s} s")
+        time.sleep(0.05)
+
+
+def disk_chunk_files(path: str | Path) -> dict[str, set[Path]]:
+    """The chunk files (``*.kvc``) of the disk tier at ``path``, by fingerprint
+    namespace (the directory's hex name)."""
+    from .tiers import FORMAT_VERSION
+
+    root = Path(path) / f"kvferry-v{FORMAT_VERSION}"
+    if not root.is_dir():
+        return {}
+    return {ns.name: set(ns.glob("*/*.kvc")) for ns in root.iterdir() if ns.is_dir()}
+
+
+def wait_for_disk_chunks(
+    path: str | Path, count: int, *, namespace: str | None = None, timeout_s: float = 30.0
+) -> set[Path]:
+    """Wait until the disk tier at ``path`` holds at least ``count`` chunk files in
+    ``namespace`` (None: its only one) and no half-written one; returns the files.
+
+    Disk writes run in the background after a request ends: wait for them before an
+    engine is shut down whose files a restarted engine should find."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        spaces = disk_chunk_files(path)
+        if namespace is None and len(spaces) > 1:
+            raise ValueError(f"{path} holds several namespaces {sorted(spaces)}: name one")
+        ns = namespace if namespace is not None else next(iter(spaces), None)
+        files = spaces.get(ns, set()) if ns is not None else set()
+        busy = ns is not None and any(Path(path).glob(f"kvferry-v*/{ns}/*/*.tmp"))
+        if len(files) >= count and not busy:
+            return files
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"{len(files)} chunk files in {path} after {timeout_s} s, {count} expected"
+            )
+        time.sleep(0.02)
