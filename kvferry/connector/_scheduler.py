@@ -818,6 +818,8 @@ class SchedulerSide:
             # Recency for the policy, as vLLM's own offloading applies it when a request
             # finishes: its blocks (loaded, stored, or present) were just used.
             self.directory_tell(Touch(keys=tuple(st.keys)))
+            if self.disk is not None:
+                self.disk.dir.touch(st.keys)
         if st.load_job is not None:
             # Aborted while its load runs: vLLM frees the blocks at finished_recving.
             return True, params
@@ -1139,7 +1141,8 @@ class SchedulerSide:
         """A store ended well on every worker: its blocks become host hits, and those the
         disk tier takes are written down, their host slots pinned (in the same message:
         no eviction in between) until the write ends."""
-        assert self.disk is not None
+        if self.disk is None:
+            return
         places = self.disk.prepare_writes(job.keys)
         chosen = places >= 0
         self.directory_tell(CompleteStore(slots=job.slots, ok=True, pin=job.slots[chosen]))
@@ -1163,7 +1166,8 @@ class SchedulerSide:
         )
 
     def _end_disk_write(self, job: _Job) -> None:
-        assert self.disk is not None
+        if self.disk is None:
+            return
         n = len(job.disk_keys)
         failed = job.disk_failed
         if failed is None or len(failed) != n:
