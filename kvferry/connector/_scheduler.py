@@ -51,6 +51,7 @@ from ..cache import (
     to_vllm_events,
 )
 from ..transfer import CopyJob, GroupBlocks
+from ._blockinfo import BlockBook, group_specs
 from ._disk_tier import DiskTier
 from ._metadata import DiskChunks, DiskWriteSpec, JobSpec, KVFerryMetadata, KVFerryWorkerMetadata
 from ._tiers import check_hash_algo, disk_fingerprint
@@ -283,6 +284,9 @@ class _Job:
     disk_failed: npt.NDArray[np.int64] | None = None
     """Per disk chunk, on how many workers it failed (summed over the workers' reports)."""
     disk_write: bool = False
+    event_keys: tuple[bytes, ...] = ()
+    """A store's planned keys (a disk write's keys), retired from the block book (the
+    complete KV events' facts) when it ends."""
 
 
 class SchedulerSide:
@@ -361,6 +365,11 @@ class SchedulerSide:
 
         kv_events = getattr(vllm_config, "kv_events_config", None)
         self.events_enabled = bool(kv_events is not None and kv_events.enable_kv_cache_events)
+        self._book = BlockBook(
+            chunk_tokens=self.geometry.chunk_tokens,
+            hashes_per_chunk=self.geometry.hashes_per_chunk,
+            groups=group_specs(kv_cache_config),
+        )
 
         self.disk: DiskTier | None = None
         self._disk_leases: dict[str, tuple[list[bytes], npt.NDArray[np.int64]]] = {}
@@ -927,7 +936,9 @@ class SchedulerSide:
         events = self._ask(lambda r: TakeEvents(reply=r))
         if self.disk is not None:
             events = list(events) + self.disk.take_events()
-        return to_vllm_events(events)
+        out = to_vllm_events(events, describe=self._book.describe)
+        self._book.drop_retired()  # every store retired so far had its event in these
+        return out
 
     def has_pending_work(self) -> bool:
         return bool(
@@ -983,6 +994,8 @@ class SchedulerSide:
         all_keys: list[bytes] = []
         for st, first, upto, _ in plans:
             all_keys.extend(self._keys(st.request, first, upto))
+            if self.events_enabled:
+                self._book.record_chunks(st.request, first, upto)
         if not all_keys:
             return
         slots_all = self._ask(lambda r: PrepareStore(keys=tuple(all_keys), reply=r))
@@ -994,6 +1007,7 @@ class SchedulerSide:
             n = (upto - first) * G
             slots = slots_all[pos : pos + n].reshape(upto - first, G)
             keys_of = all_keys[pos : pos + n]
+            plan_keys = tuple(keys_of) if self.events_enabled else ()
             pos += n
             parts = []
             taken = []
@@ -1022,6 +1036,7 @@ class SchedulerSide:
             live = np.asarray([s for s, ok, _ in taken if ok], dtype=np.int64)
             live_keys = tuple(k for _, ok, k in taken if ok)
             if not parts:
+                self._book.retire(plan_keys)
                 continue
             job_id = self._new_job_id()
             self._jobs[job_id] = _Job(
@@ -1032,6 +1047,7 @@ class SchedulerSide:
                 tokens=len(live) * geo.chunk_tokens // G if G else 0,
                 fenced=tuple(fenced),
                 keys=live_keys if self.disk is not None else (),
+                event_keys=plan_keys,
             )
             for block in fenced:
                 self._fences.setdefault(block, set()).add(job_id)
@@ -1146,10 +1162,13 @@ class SchedulerSide:
         places = self.disk.prepare_writes(job.keys)
         chosen = places >= 0
         self.directory_tell(CompleteStore(slots=job.slots, ok=True, pin=job.slots[chosen]))
+        keys = [k for k, c in zip(job.keys, chosen.tolist(), strict=True) if c]
+        # The facts of the keys written down are kept for the disk tier's own event.
+        written = set(keys) if job.event_keys else set()
+        self._book.retire([k for k in job.event_keys if k not in written])
         if not chosen.any():
             return
         write_id = self._new_job_id()
-        keys = [k for k, c in zip(job.keys, chosen.tolist(), strict=True) if c]
         host = job.slots[chosen]
         self._jobs[write_id] = _Job(
             job_id=write_id,
@@ -1160,6 +1179,7 @@ class SchedulerSide:
             disk_keys=tuple(keys),
             disk_slots=places[chosen],
             disk_write=True,
+            event_keys=tuple(k for k in job.event_keys if k in written),
         )
         self._pending_disk_writes.append(
             DiskWriteSpec(job_id=write_id, chunks=DiskChunks(keys=keys, slots=host))
@@ -1175,6 +1195,7 @@ class SchedulerSide:
         self._c["disk_chunks_written"] += self.disk.writes_ended(
             job.disk_slots, job.disk_keys, failed
         )
+        self._book.retire(job.event_keys)
         self._unpin(job.slots)
 
     def _ack(self, meta: KVFerryWorkerMetadata) -> None:
@@ -1230,6 +1251,7 @@ class SchedulerSide:
                     self.directory_tell(
                         CompleteStore(slots=job.slots, ok=not job.failed and not stale)
                     )
+                    self._book.retire(job.event_keys)
                 self._c["stores_failed" if job.failed else "stores_done"] += 1
                 if not job.failed:
                     self._c["tokens_stored"] += job.tokens

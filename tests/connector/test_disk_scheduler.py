@@ -371,3 +371,39 @@ def test_a_reset_clears_the_disk_tier_too(side: Any) -> None:
     assert side.reset()
     assert not side.disk.ready(_keys(a, 2)).any()
     assert sorted(side.build_connector_meta(step({}, {})).disk_deletes) == sorted(_keys(a, 2))
+
+
+def test_the_disk_tier_announces_its_blocks_complete_with_medium_disk(
+    make_vllm_config: Any, kv_cache_config: Any, tmp_path: Any
+) -> None:
+    """A block written down is a BlockStored of medium DISK with its tokens and parent,
+    as the host tier's (routers rebuild their keys from these fields)."""
+    from vllm.config import KVEventsConfig
+    from vllm.distributed.kv_events import BlockStored
+
+    from kvferry import FerryConfig
+    from kvferry.connector._scheduler import SchedulerSide
+
+    extra = {
+        "cpu_bytes_to_use": 8 * SLOT_BYTES,
+        "tiers": [{"kind": "disk", "path": str(tmp_path), "bytes_to_use": disk_bytes(8)}],
+    }
+    config = make_vllm_config(extra)
+    config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+    side = SchedulerSide(config, kv_cache_config, FerryConfig.from_dict(extra))
+    try:
+        a = request("a", 2 * BLOCK + 8)
+        a.all_token_ids = list(range(1000, 1000 + 2 * BLOCK + 8))
+        a.lora_request = None
+        written(side, a, [1, 2, 3])
+        stored = [e for e in side.take_events() if isinstance(e, BlockStored)]
+        by_medium = {e.medium: e for e in stored}
+        assert set(by_medium) == {"CPU", "DISK"}
+        disk = by_medium["DISK"]
+        assert disk.block_hashes == by_medium["CPU"].block_hashes  # as vLLM spells hashes
+        assert len(disk.block_hashes) == 2
+        assert disk.token_ids == list(range(1000, 1000 + 2 * BLOCK))
+        assert disk.parent_block_hash is None and disk.block_size == BLOCK
+        assert side._book.statistics().entries == 0  # nothing kept once announced
+    finally:
+        side.shutdown()
