@@ -73,7 +73,11 @@ METRICS: tuple[Metric, ...] = (
         "tokens",
         "Prompt tokens beyond the engine's own cache that kvferry was asked for.",
     ),
-    _counter("tokens_hit", "tokens", "Tokens found in kvferry's host tier (lookup hits)."),
+    _counter(
+        "tokens_hit",
+        "tokens",
+        "Tokens found in kvferry's tiers: host memory or disk (lookup hits).",
+    ),
     _counter("tokens_missed", "tokens", "Tokens asked for that kvferry did not hold."),
     _counter(
         "tokens_loaded", "tokens", "Tokens loaded from host memory into the engine's KV cache."
@@ -103,6 +107,36 @@ METRICS: tuple[Metric, ...] = (
     ),
     _counter("evictions", "blocks", "Offloaded blocks evicted from host memory."),
     _counter(
+        "disk_tokens_hit",
+        "tokens",
+        "Of tokens_hit, those of blocks read from the disk tier (not in host memory).",
+    ),
+    _counter("disk_read_bytes", "bytes", "Bytes read from the disk tier into host memory."),
+    _counter("disk_write_bytes", "bytes", "Bytes written from host memory to the disk tier."),
+    _counter("disk_read_seconds", "seconds", "Seconds spent reading chunks from the disk tier."),
+    _counter("disk_write_seconds", "seconds", "Seconds spent writing chunks to the disk tier."),
+    _counter(
+        "disk_blocks_written", "blocks", "Offloaded blocks written to the disk tier (all workers)."
+    ),
+    _counter(
+        "disk_blocks_corrupt",
+        "blocks",
+        "Chunk files that failed verification on a read (header, fingerprint or checksum): "
+        "a miss each, deleted, never loaded.",
+    ),
+    _counter(
+        "disk_reads_failed",
+        "blocks",
+        "Chunk reads that failed for any reason (corrupt, gone, I/O error): their loads "
+        "were recomputed.",
+    ),
+    _counter(
+        "disk_writes_failed",
+        "blocks",
+        "Chunk writes skipped or failed (tier full, disk full, no permission, I/O error).",
+    ),
+    _counter("disk_evictions", "blocks", "Offloaded blocks evicted from the disk tier."),
+    _counter(
         "unknown_metrics",
         "values",
         "Values kvferry's exporter dropped because their metric name is not in its table "
@@ -115,6 +149,9 @@ METRICS: tuple[Metric, ...] = (
     ),
     _gauge("host_blocks_capacity", "blocks", "Offloaded blocks host memory can hold."),
     _gauge("host_usage_ratio", "ratio", "Share of kvferry's host memory in use."),
+    _gauge("disk_blocks_used", "blocks", "Offloaded blocks held on the disk tier (readable)."),
+    _gauge("disk_blocks_capacity", "blocks", "Offloaded blocks the disk tier can hold."),
+    _gauge("disk_usage_ratio", "ratio", "Share of the disk tier's blocks in use."),
 )
 
 BY_FULL_NAME: Mapping[str, Metric] = {m.full_name: m for m in METRICS}

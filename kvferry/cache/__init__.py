@@ -16,6 +16,7 @@ from ._arc import ARCPolicy as ARCPolicy
 from ._directory import Directory as Directory
 from ._directory import Key as Key
 from ._events import AllBlocksCleared as AllBlocksCleared
+from ._events import BlockInfo as BlockInfo
 from ._events import BlocksRemoved as BlocksRemoved
 from ._events import BlocksStored as BlocksStored
 from ._events import EventBuffer as EventBuffer
@@ -56,6 +57,7 @@ __all__ = [
     "AdmissionFilter",
     "AllBlocksCleared",
     "AttachEvictor",
+    "BlockInfo",
     "BlocksRemoved",
     "BlocksStored",
     "ClearAll",

@@ -107,11 +107,11 @@ class DirectoryActor(Actor[DirectoryMsg]):
             case CompleteLoad(slots=slots):
                 d.complete_load(slots)
                 self._check_room()
-            case PrepareStore(keys=keys, reply=reply):
-                reply.set(d.prepare_store(keys))
+            case PrepareStore(keys=keys, admit=admit, reply=reply):
+                reply.set(d.prepare_store(keys, admit=admit))
                 self._check_room()
-            case CompleteStore(slots=slots, ok=ok):
-                d.complete_store(slots, ok)  # stored blocks can be evicted from now on
+            case CompleteStore(slots=slots, ok=ok, pin=pin):
+                d.complete_store(slots, ok, pin)  # stored blocks can be evicted from now on
                 self._check_room()
             case Touch(keys=keys):
                 d.touch(keys)

@@ -43,7 +43,7 @@ import numpy.typing as npt
 from .._errors import InvariantError
 from .._logging import get_logger
 from ._admission import DEFAULT_WATERMARKS, AdmissionFilter, check_store_threshold, check_watermarks
-from ._events import AllBlocksCleared, BlocksRemoved, BlocksStored, KVEvent
+from ._events import MEDIUM, AllBlocksCleared, BlocksRemoved, BlocksStored, KVEvent
 from ._policy import EvictionPolicy, make_policy
 from ._statistics import DirectoryStatistics
 from ._table import tags_of
@@ -83,6 +83,7 @@ class Directory:
         store_threshold: int = 1,
         tracker_size: int = 64_000,
         events: bool = False,
+        medium: str = MEDIUM,
     ) -> None:
         if num_slots <= 0:
             raise ValueError(f"num_slots must be > 0, got {num_slots}")
@@ -108,6 +109,8 @@ class Directory:
         self._free = np.arange(num_slots - 1, -1, -1, dtype=np.int32)  # a stack, top last
         self._num_free = num_slots
         self._events: list[KVEvent] | None = [] if events else None
+        self.medium = medium
+        """The medium its events name ("CPU" for host memory, "DISK" for the disk tier)."""
         self.lookups = self.hits = self.misses = 0
         self.stores_prepared = self.stores_skipped_present = self.stores_skipped_full = 0
         self.stores_completed = self.stores_failed = 0
@@ -224,12 +227,13 @@ class Directory:
 
     # -- stores ------------------------------------------------------------------------
 
-    def prepare_store(self, keys: Sequence[Key]) -> I64:
+    def prepare_store(self, keys: Sequence[Key], *, admit: bool = True) -> I64:
         """Reserve a slot per key; -1 where the key is skipped.
 
         Skipped, in this order: a key already STORING or READY (present; a READY one is a
         reuse for the policy and is not evicted by this call), a repeated key, a key
-        offered fewer than ``store_threshold`` times, and — when no slot is free and
+        offered fewer than ``store_threshold`` times (unless ``admit`` is False: a block
+        read up from a lower tier was admitted there), and — when no slot is free and
         nothing is evictable — the last keys of the call (full): a skipped store is only
         a future miss.
         """
@@ -252,7 +256,7 @@ class Directory:
         if not new_keys:
             return np.full(k, -1, np.int64)
         tags = tags_of(new_keys) if self._uses_tags or self._admission is not None else None
-        if self._admission is not None and tags is not None:
+        if admit and self._admission is not None and tags is not None:
             admitted = self._admission.offer(tags)
             keep = admitted.tolist()
             idx = [i for i, a in zip(idx, keep, strict=True) if a]
@@ -286,8 +290,13 @@ class Directory:
         out[np.asarray(idx[:m], np.int64)] = new
         return out
 
-    def complete_store(self, slots: npt.ArrayLike, ok: bool) -> None:
-        """A prepared store finished: READY if ``ok``, else the slot is freed (never visible)."""
+    def complete_store(self, slots: npt.ArrayLike, ok: bool, pin: npt.ArrayLike = ()) -> None:
+        """A prepared store finished: READY if ``ok``, else the slot is freed (never visible).
+
+        ``pin``: of the READY ones, slots pinned at once (one pin each, released by
+        :meth:`unpin`): a copy still reads them (a write down to a lower tier), and no
+        eviction may come between their completion and the pin.
+        """
         arr = np.asarray(slots, np.int64)
         if not len(arr):
             return
@@ -309,10 +318,15 @@ class Directory:
         if ok:
             self._stuck = False
             self._state[arr] = READY
+            pinned = np.asarray(pin, np.int64)
+            if len(pinned):
+                self._pins[pinned[np.isin(pinned, arr)]] += 1
             self.policy.admit(arr, self._tag[arr] if self._uses_tags else _NO_TAGS)
             self.stores_completed += len(arr)
             if self._events is not None and len(arr):
-                self._events.append(BlocksStored(keys=self._keys_of(arr.tolist())))
+                self._events.append(
+                    BlocksStored(keys=self._keys_of(arr.tolist()), medium=self.medium)
+                )
         else:
             self._unindex(arr.tolist())
             self._release(arr)
@@ -331,6 +345,44 @@ class Directory:
                 continue
             del slot_of[key]
             key_of[s] = None
+
+    def restore(self, keys: Sequence[Key]) -> int:
+        """Enter ``keys`` as READY without a store (a lower tier's files found at start):
+        no admission, no events (nothing new was stored); up to the free slots, in order.
+        Returns how many were entered; the rest are the caller's to drop."""
+        new = [k for k in dict.fromkeys(keys) if k not in self._slot_of]
+        m = min(len(new), self._num_free)
+        if not m:
+            return 0
+        new = new[:m]
+        top = self._num_free
+        slots = self._free[top - m : top][::-1].astype(np.int64)
+        self._num_free = top - m
+        for s, key in zip(slots.tolist(), new, strict=True):
+            self._key_of[s] = key
+            self._slot_of[key] = s
+        self._state[slots] = READY
+        tags = tags_of(new) if self._uses_tags else None
+        if tags is not None:
+            self._tag[slots] = tags
+        self.policy.admit(slots, tags if tags is not None else _NO_TAGS)
+        return m
+
+    def discard(self, keys: Sequence[Key]) -> list[Key]:
+        """Drop these keys if READY and unpinned (a lower tier found them bad or gone);
+        returns those dropped (their removal is an event, like an eviction)."""
+        get, st, pins = self._slot_of.get, self._st, self._pn
+        slots = [s for k in keys if (s := get(k, -1)) >= 0 and st[s] == READY and not pins[s]]
+        if not slots:
+            return []
+        arr = np.array(sorted(set(slots)), np.int64)
+        gone = self._keys_of(arr.tolist())
+        self.policy.forget(arr)
+        if self._events is not None:
+            self._events.append(BlocksRemoved(keys=gone, medium=self.medium))
+        self._unindex(arr.tolist())
+        self._release(arr)
+        return gone
 
     # -- space -------------------------------------------------------------------------
 
@@ -383,7 +435,7 @@ class Directory:
             return 0
         gone = victims.tolist()
         if self._events is not None:
-            self._events.append(BlocksRemoved(keys=self._keys_of(gone)))
+            self._events.append(BlocksRemoved(keys=self._keys_of(gone), medium=self.medium))
         self._unindex(gone)
         self._release(victims)
         self.evictions += len(victims)
@@ -412,7 +464,7 @@ class Directory:
             self._unindex(slots.tolist())
             self._release(slots)
             if self._events is not None:
-                self._events.append(BlocksRemoved(keys=keys))
+                self._events.append(BlocksRemoved(keys=keys, medium=self.medium))
         return keys
 
     def reset(self) -> int:
@@ -438,9 +490,9 @@ class Directory:
             # A clear makes the batch's earlier events moot. vLLM's AllBlocksCleared names
             # no medium, so each block the tier held is also removed by name (medium CPU):
             # a router tracking media sees exactly what left.
-            self._events[:] = [AllBlocksCleared()]
+            self._events[:] = [AllBlocksCleared(medium=self.medium)]
             if visible:
-                self._events.append(BlocksRemoved(keys=visible))
+                self._events.append(BlocksRemoved(keys=visible, medium=self.medium))
         return dropped
 
     # -- events and statistics ----------------------------------------------------------

@@ -9,12 +9,17 @@ of every block it held (vLLM's AllBlocksCleared names no medium). Replaying the 
 in order over an empty set gives exactly the set of keys that are lookup hits — the tests
 hold that.
 
+The records carry keys only. What a complete ``BlockStored`` needs besides (the parent
+hash, the tokens, the block size, LoRA) comes at conversion from a ``describe`` callable
+returning a :class:`BlockInfo` per key; the connector's book of planned stores
+(``kvferry.connector._blockinfo``) is one.
+
 vLLM is imported only inside :func:`to_vllm_events`, so this module works without it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias, assert_never
 
 import attrs
@@ -54,6 +59,34 @@ class AllBlocksCleared:
 
 
 KVEvent: TypeAlias = BlocksStored | BlocksRemoved | AllBlocksCleared
+
+
+@attrs.frozen(kw_only=True)
+class BlockInfo:
+    """What vLLM's ``BlockStored`` says of one stored key besides its hash and medium.
+
+    An offloaded block (a chunk of ``block_size`` tokens) is announced as one retrievable
+    unit under its key's hash — the hash vLLM computed at the chunk's last token — with
+    the previous chunk's hash as its parent, so a consumer that rebuilds keys from the
+    tokens sees exactly what a lookup can hit (vLLM issue #57159).
+    """
+
+    block_hash: bytes
+    """The key's block hash (the key without its group suffix)."""
+    parent_block_hash: bytes | None
+    """The previous chunk's block hash; None for the first chunk of a sequence."""
+    token_ids: Sequence[int] = attrs.field(eq=False, repr=lambda t: f"<{len(t)} tokens>")
+    """The chunk's ``block_size`` tokens (shared with the book: never mutated)."""
+    block_size: int
+    group_idx: int
+    lora_id: int | None = None
+    lora_name: str | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+Describe: TypeAlias = Callable[[bytes], BlockInfo | None]
+"""Key -> its :class:`BlockInfo`, or None when nothing is known of it."""
 
 
 def replay(events: Iterable[KVEvent], visible: set[Key] | None = None) -> set[Key]:
@@ -129,42 +162,95 @@ class EventBuffer:
         ]
 
 
-def to_vllm_events(events: Iterable[KVEvent]) -> list[Any]:
+def to_vllm_events(events: Iterable[KVEvent], describe: Describe | None = None) -> list[Any]:
     """vLLM ``KVCacheEvent`` objects for ``events`` (imports vLLM; the connector calls it).
 
-    Keys are vLLM offload keys (block hash + 4-byte big-endian group index). As vLLM's
-    OffloadingConnector does by default, a stored block is one ``BlockStored`` with a
-    placeholder payload (its hash, no parent, no tokens, ``block_size=0``, its
-    ``group_idx``), and removals are one ``BlockRemoved`` per group, in order.
+    Keys are vLLM offload keys (block hash + 4-byte big-endian group index).
+
+    Stores: with ``describe``, a stored key is announced with everything vLLM's
+    ``BlockStored`` carries (:class:`BlockInfo`): consecutive keys of one group that
+    form a chain (each key's parent is the previous key's hash, same LoRA) make one
+    ``BlockStored`` of several hashes, as vLLM's block pool announces its blocks; the
+    runs of one group keep their order, so a parent is announced before its children. A
+    key ``describe`` knows nothing of — and every key when ``describe`` is None — gets
+    the placeholder payload of vLLM's OffloadingConnector (its hash, no parent, no
+    tokens, ``block_size=0``, its ``group_idx``).
+
+    Removals are one ``BlockRemoved`` per group, in order, under the same hashes as the
+    stores announced; a clear is vLLM's ``AllBlocksCleared`` (which names no medium).
     """
     from vllm.distributed.kv_events import AllBlocksCleared as VAllBlocksCleared
     from vllm.distributed.kv_events import BlockRemoved as VBlockRemoved
     from vllm.distributed.kv_events import BlockStored as VBlockStored
     from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 
+    def external(block_hash: bytes) -> Any:
+        return maybe_convert_block_hash(BlockHash(block_hash))
+
+    def placeholder(key: bytes, medium: str) -> Any:
+        return VBlockStored(
+            block_hashes=[external(key[:-4])],
+            parent_block_hash=None,
+            token_ids=[],
+            block_size=0,
+            lora_id=None,
+            medium=medium,
+            lora_name=None,
+            group_idx=int.from_bytes(key[-4:], "big"),
+        )
+
+    def complete(run: list[BlockInfo], medium: str) -> Any:
+        first = run[0]
+        tokens: list[int] = []
+        for info in run:
+            tokens.extend(info.token_ids)
+        return VBlockStored(
+            block_hashes=[external(info.block_hash) for info in run],
+            parent_block_hash=(
+                None if first.parent_block_hash is None else external(first.parent_block_hash)
+            ),
+            token_ids=tokens,
+            block_size=first.block_size,
+            lora_id=first.lora_id,
+            medium=medium,
+            lora_name=first.lora_name,
+            group_idx=first.group_idx,
+            kv_cache_spec_kind=first.kv_cache_spec_kind,
+            kv_cache_spec_sliding_window=first.kv_cache_spec_sliding_window,
+        )
+
+    def stored(keys: Sequence[bytes], medium: str, describe: Describe) -> Iterable[Any]:
+        # One open run per group: a group's runs leave in the order they started.
+        runs: dict[int, list[BlockInfo]] = {}
+        for key in keys:
+            info = describe(key)
+            group = int.from_bytes(key[-4:], "big") if info is None else info.group_idx
+            run = runs.get(group)
+            if run is not None and info is not None and _extends(run[-1], info):
+                run.append(info)
+                continue
+            if run is not None:
+                yield complete(runs.pop(group), medium)
+            if info is None:
+                yield placeholder(key, medium)
+            else:
+                runs[group] = [info]
+        for run in runs.values():
+            yield complete(run, medium)
+
     out: list[Any] = []
     for ev in events:
         match ev:
             case BlocksStored(keys=keys, medium=medium):
-                for key in keys:
-                    out.append(
-                        VBlockStored(
-                            block_hashes=[maybe_convert_block_hash(BlockHash(key[:-4]))],
-                            parent_block_hash=None,
-                            token_ids=[],
-                            block_size=0,
-                            lora_id=None,
-                            medium=medium,
-                            lora_name=None,
-                            group_idx=int.from_bytes(key[-4:], "big"),
-                        )
-                    )
+                if describe is None:
+                    out.extend(placeholder(key, medium) for key in keys)
+                else:
+                    out.extend(stored(keys, medium, describe))
             case BlocksRemoved(keys=keys, medium=medium):
                 by_group: dict[int, list[Any]] = {}
                 for key in keys:
                     group = int.from_bytes(key[-4:], "big")
-                    hashed = maybe_convert_block_hash(BlockHash(key[:-4]))
-                    by_group.setdefault(group, []).append(hashed)
+                    by_group.setdefault(group, []).append(external(key[:-4]))
                 for group, hashes in by_group.items():
                     out.append(VBlockRemoved(block_hashes=hashes, medium=medium, group_idx=group))
             case AllBlocksCleared():
@@ -172,3 +258,14 @@ def to_vllm_events(events: Iterable[KVEvent]) -> list[Any]:
             case _:
                 assert_never(ev)
     return out
+
+
+def _extends(last: BlockInfo, info: BlockInfo) -> bool:
+    """Whether ``info`` continues the chain that ends at ``last`` in one ``BlockStored``."""
+    return (
+        info.parent_block_hash == last.block_hash
+        and info.group_idx == last.group_idx
+        and info.block_size == last.block_size
+        and info.lora_id == last.lora_id
+        and info.lora_name == last.lora_name
+    )

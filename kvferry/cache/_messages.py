@@ -101,18 +101,24 @@ class CompleteLoad:
 
 @attrs.frozen(kw_only=True)
 class PrepareStore:
-    """Reserve a slot per key; answers the slots, -1 for a skipped key."""
+    """Reserve a slot per key; answers the slots, -1 for a skipped key. ``admit=False``
+    skips the admission filter (a block read up from a lower tier)."""
 
     keys: tuple[Key, ...]
+    admit: bool = True
     reply: Reply[npt.NDArray[np.int64]] = attrs.field(eq=False, repr=False)
 
 
 @attrs.frozen(kw_only=True)
 class CompleteStore:
-    """A store finished: its keys become lookup hits if ``ok``, else they are dropped."""
+    """A store finished: its keys become lookup hits if ``ok``, else they are dropped.
+    ``pin``: slots of these to pin at once (released by :class:`Unpin`)."""
 
     slots: npt.NDArray[np.int64] = attrs.field(converter=_i64, eq=False)
     ok: bool
+    pin: npt.NDArray[np.int64] = attrs.field(
+        converter=_i64, eq=False, factory=lambda: np.zeros(0, np.int64)
+    )
 
 
 @attrs.frozen(kw_only=True)

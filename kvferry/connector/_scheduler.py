@@ -51,7 +51,10 @@ from ..cache import (
     to_vllm_events,
 )
 from ..transfer import CopyJob, GroupBlocks
-from ._metadata import JobSpec, KVFerryMetadata, KVFerryWorkerMetadata
+from ._blockinfo import BlockBook, group_specs
+from ._disk_tier import DiskTier
+from ._metadata import DiskChunks, DiskWriteSpec, JobSpec, KVFerryMetadata, KVFerryWorkerMetadata
+from ._tiers import check_hash_algo, disk_fingerprint
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -191,6 +194,18 @@ class SchedulerStatistics:
     store_seconds: float
     jobs_in_flight: int
     directory: DirectoryStatistics
+    disk_tokens_hit: int = 0
+    disk_read_bytes: int = 0
+    disk_read_seconds: float = 0.0
+    disk_write_bytes: int = 0
+    disk_write_seconds: float = 0.0
+    disk_chunks_written: int = 0
+    disk_chunks_corrupt: int = 0
+    disk_reads_failed: int = 0
+    disk_writes_failed: int = 0
+    disk_loads_unplanned: int = 0
+    disk: DirectoryStatistics | None = None
+    """The disk tier's directory (None without a disk tier)."""
 
 
 def parse_request_params(params: Any) -> tuple[bool, bool, str | None]:
@@ -234,6 +249,8 @@ class _Req:
     """(num_computed_tokens, hit chunks) of the last get_num_new_matched_tokens."""
     counts: tuple[int, int] | None = None
     """(tokens asked, tokens hit) of the last lookup, counted once the request is admitted."""
+    disk_tokens: int = 0
+    """Of the last lookup's hit, the tokens of chunks read from the disk tier."""
     load_job: int | None = None
     store_jobs: set[int] = attrs.field(factory=set)
     keys: list[bytes] = attrs.field(factory=list)
@@ -254,9 +271,22 @@ class _Job:
     fenced: tuple[int, ...] = ()
     """Sliding-window blocks this store reads, which vLLM may free before it ends."""
     keys: tuple[bytes, ...] = ()
-    """The keys a load fills (another request needing them waits for it)."""
+    """The keys a load fills (another request needing them waits for it); with a disk
+    tier, the keys a store fills (written down once it ended)."""
     deadline: float = float("inf")
     """For a load: when, unacknowledged, it is ended as failed (``job_timeout_s``)."""
+    disk_keys: tuple[bytes, ...] = ()
+    """A load: the chunks read from disk first; a disk write: the chunks written."""
+    disk_host_slots: npt.NDArray[np.int64] = attrs.field(factory=lambda: np.zeros(0, np.int64))
+    """A load: the host slots reserved (STORING) for its disk chunks, READY once read."""
+    disk_slots: npt.NDArray[np.int64] = attrs.field(factory=lambda: np.zeros(0, np.int64))
+    """A load: its pins in the disk directory; a disk write: the places it fills."""
+    disk_failed: npt.NDArray[np.int64] | None = None
+    """Per disk chunk, on how many workers it failed (summed over the workers' reports)."""
+    disk_write: bool = False
+    event_keys: tuple[bytes, ...] = ()
+    """A store's planned keys (a disk write's keys), retired from the block book (the
+    complete KV events' facts) when it ends."""
 
 
 class SchedulerSide:
@@ -300,6 +330,16 @@ class SchedulerSide:
                 "store_bytes",
                 "load_seconds",
                 "store_seconds",
+                "disk_tokens_hit",
+                "disk_read_bytes",
+                "disk_read_seconds",
+                "disk_write_bytes",
+                "disk_write_seconds",
+                "disk_chunks_written",
+                "disk_chunks_corrupt",
+                "disk_reads_failed",
+                "disk_writes_failed",
+                "disk_loads_unplanned",
             ),
             0,
         )
@@ -325,6 +365,30 @@ class SchedulerSide:
 
         kv_events = getattr(vllm_config, "kv_events_config", None)
         self.events_enabled = bool(kv_events is not None and kv_events.enable_kv_cache_events)
+        self._book = BlockBook(
+            chunk_tokens=self.geometry.chunk_tokens,
+            hashes_per_chunk=self.geometry.hashes_per_chunk,
+            groups=group_specs(kv_cache_config),
+        )
+
+        self.disk: DiskTier | None = None
+        self._disk_leases: dict[str, tuple[list[bytes], npt.NDArray[np.int64]]] = {}
+        """Request -> the disk keys its last lookup leased (pinned), and their pins."""
+        self._pending_disk_writes: list[DiskWriteSpec] = []
+        if cfg.tiers:
+            check_hash_algo(vllm_config)
+            geo = self.geometry
+            fingerprints = [
+                disk_fingerprint(vllm_config, kv_cache_config, geo.chunk_tokens, rank)
+                for rank in range(self.world_size)
+            ]
+            self.disk = DiskTier(
+                cfg.tiers[0],
+                fingerprints,
+                geo.row_bytes * geo.blocks_per_chunk,
+                events=self.events_enabled,
+            )
+            self.disk.scan()
 
         async def setup(system: ActorSystem) -> ActorRef[DirectoryMsg]:
             tier = await spawn_host_tier(
@@ -408,8 +472,21 @@ class SchedulerSide:
         # it before update_state_after_alloc turns the lease into the load's pins, and the
         # lease ends with this schedule() pass (build_connector_meta) if it does not.
         self._release_lease(request.request_id)
-        lease: Lease = self._ask(lambda r: LookupAndPin(keys=tuple(keys), each=geo.hybrid, reply=r))
-        if geo.hybrid:
+        disk = self.disk
+        each = geo.hybrid or disk is not None
+        lease: Lease = self._ask(lambda r: LookupAndPin(keys=tuple(keys), each=each, reply=r))
+        on_disk = None
+        if disk is not None:
+            # The longest prefix held by host memory or disk, chunk by chunk.
+            host = lease.ready if lease.ready is not None else np.zeros(len(keys), np.bool_)
+            on_disk = disk.ready(keys) & ~host
+            ready = host | on_disk
+            if geo.hybrid:
+                hit_chunks = first + windowed_hit(ready.reshape(-1, geo.num_groups), geo.windows)
+            else:
+                leading = len(ready) if ready.all() else int(np.argmin(ready))
+                hit_chunks = first + leading // geo.num_groups
+        elif geo.hybrid:
             ready = lease.ready if lease.ready is not None else np.zeros(0, np.bool_)
             hit_chunks = first + windowed_hit(ready.reshape(-1, geo.num_groups), geo.windows)
         else:
@@ -443,6 +520,15 @@ class SchedulerSide:
         st.lookup = (num_computed_tokens, hit_chunks)
         if len(lease.slots):
             self._leases[request.request_id] = lease.slots
+        st.disk_tokens = 0
+        if disk is not None and on_disk is not None:
+            n_hit = (hit_chunks - first) * geo.num_groups
+            in_hit = on_disk[:n_hit]
+            if in_hit.any():
+                # Leased like the host's hit: not evicted before the load pins it.
+                dkeys = [keys[i] for i in np.flatnonzero(in_hit).tolist()]
+                self._disk_leases[request.request_id] = (dkeys, disk.lease(dkeys))
+                st.disk_tokens = int(in_hit.reshape(-1, geo.num_groups).any(axis=1).sum()) * ct
         return new_tokens, True
 
     def update_state_after_alloc(
@@ -458,12 +544,19 @@ class SchedulerSide:
             self._c["tokens_looked_up"] += asked
             self._c["tokens_hit"] += hit
             self._c["tokens_missed"] += asked - hit
+            if num_external_tokens:
+                self._c["disk_tokens_hit"] += min(st.disk_tokens, hit)
         lease = self._leases.pop(request.request_id, None)
+        disk_lease = self._disk_leases.pop(request.request_id, None)
         if num_external_tokens == 0:
             st.lookup = None
             if lease is not None:
                 self._unpin(lease)
+            self._unpin_disk(disk_lease)
             return
+        if disk_lease is not None and (st.lookup is None or st.load_job is not None):
+            self._unpin_disk(disk_lease)  # the load fails below: nothing reads the disk
+            disk_lease = None
         # Invariants of this bookkeeping (docs/architecture.md, "Invariants"): a load
         # follows the positive lookup that announced it, for the tokens announced, and a
         # request has one load at a time. Broken, the load fails and vLLM recomputes.
@@ -484,6 +577,7 @@ class SchedulerSide:
             error = InvariantError(
                 "load_of_other_tokens", f"{num_external_tokens} tokens after {num_local}"
             )
+            self._unpin_disk(disk_lease)
             self._fail_load(st, blocks, lease, error, announced=hit_chunks * ct - num_local)
             return
         first_chunk = num_local // ct
@@ -503,16 +597,41 @@ class SchedulerSide:
         all_keys = self._keys(request, first_chunk, hit_chunks)
         keys = [k for k, w in zip(all_keys, wanted.ravel().tolist(), strict=True) if w]
         release = lease if lease is not None else np.zeros(0, np.int64)
-        found = self._ask(lambda r: PrepareLoad(keys=tuple(keys), release=release, reply=r))
+        # Chunks only on disk: read into host slots reserved now, then loaded with the rest.
+        from_disk = set(disk_lease[0]) if disk_lease is not None else set()
+        dmask = np.fromiter((k in from_disk for k in keys), np.bool_, len(keys))
+        host_keys = [k for k, d in zip(keys, dmask.tolist(), strict=True) if not d]
+        disk_keys = [k for k, d in zip(keys, dmask.tolist(), strict=True) if d]
+        found = self._ask(lambda r: PrepareLoad(keys=tuple(host_keys), release=release, reply=r))
         if found is None:
             # The lookup's lease kept these keys READY since; only a reset in between
             # (which vLLM does not do inside one schedule pass) gets here.
+            self._unpin_disk(disk_lease)
             error = InvariantError("load_keys_vanished", "a leased hit is no longer ready")
             self._fail_load(st, blocks, None, error, keys=len(keys))
             return
+        reserved = np.zeros(0, np.int64)
+        if disk_keys:
+            reserved = self._ask(
+                lambda r: PrepareStore(keys=tuple(disk_keys), admit=False, reply=r)
+            )
+            if (reserved < 0).any():
+                # No host slot free for them (everything pinned or being stored), or
+                # another request stored some meanwhile: this load is not planned, vLLM
+                # recomputes (a later lookup finds the blocks wherever they are then).
+                self.directory_tell(CompleteStore(slots=reserved[reserved >= 0], ok=False))
+                self._unpin(found)
+                self._unpin_disk(disk_lease)
+                self._c["disk_loads_unplanned"] += 1
+                self._fail_load(st, blocks, None, "no host slot for its disk chunks")
+                return
+            self._dir_dirty = True
         job_id = self._new_job_id()
+        both = np.empty(len(keys), np.int64)
+        both[~dmask] = found
+        both[dmask] = reserved
         slots = np.full(wanted.size, -1, dtype=np.int64)
-        slots[wanted.ravel()] = found
+        slots[wanted.ravel()] = both
         slot_of = slots.reshape(-1, G)
         parts = []
         for g in range(G):
@@ -530,6 +649,9 @@ class SchedulerSide:
             tokens=num_external_tokens,
             keys=tuple(keys),
             deadline=self._clock() + self.cfg.job_timeout_s,
+            disk_keys=tuple(disk_keys),
+            disk_host_slots=reserved,
+            disk_slots=disk_lease[1] if disk_lease is not None else np.zeros(0, np.int64),
         )
         for k in keys:
             self._loading[k] = self._loading.get(k, 0) + 1
@@ -547,15 +669,20 @@ class SchedulerSide:
                 req_id=request.request_id,
                 copy=CopyJob(job_id=job_id, direction="load", parts=tuple(parts)),
                 traceparent=tp,
+                disk_reads=DiskChunks(keys=disk_keys, slots=reserved) if disk_keys else None,
             )
         )
+
+    def _unpin_disk(self, disk_lease: tuple[list[bytes], npt.NDArray[np.int64]] | None) -> None:
+        if disk_lease is not None and self.disk is not None:
+            self.disk.unpin(disk_lease[1])
 
     def _fail_load(
         self,
         st: _Req,
         blocks: KVCacheBlocks,
         lease: npt.NDArray[np.int64] | None,
-        error: InvariantError,
+        error: InvariantError | str,
         **context: Any,
     ) -> None:
         """vLLM allocated blocks for a load this bookkeeping cannot plan (a broken
@@ -568,13 +695,16 @@ class SchedulerSide:
         st.lookup = None
         if lease is not None:
             self._unpin(lease)
-        self._log.error(
-            "invariant_broken",
-            invariant=error.invariant,
-            error=str(error),
-            req_id=req_id,
-            **context,
-        )
+        if isinstance(error, InvariantError):
+            self._log.error(
+                "invariant_broken",
+                invariant=error.invariant,
+                error=str(error),
+                req_id=req_id,
+                **context,
+            )
+        else:
+            self._log.warning("load_not_planned", reason=error, req_id=req_id, **context)
         job_id = self._new_job_id()
         parts = []
         for g, ids in enumerate(blocks.get_block_ids()):
@@ -611,6 +741,10 @@ class SchedulerSide:
         if self._leases:
             leases, self._leases = self._leases, {}
             self._unpin(np.concatenate(list(leases.values())))
+        if self._disk_leases:
+            disk_leases, self._disk_leases = self._disk_leases, {}
+            for disk_lease in disk_leases.values():
+                self._unpin_disk(disk_lease)
         self._expire_loads()
 
         reused: set[int] = set()
@@ -658,6 +792,9 @@ class SchedulerSide:
         )
         self._pending_loads, self._pending_stores, self._pending_releases = [], [], []
         self._pending_failed_loads = []
+        if self.disk is not None:
+            meta.disk_deletes = self.disk.take_deletes()
+            meta.disk_writes, self._pending_disk_writes = self._pending_disk_writes, []
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
@@ -690,6 +827,8 @@ class SchedulerSide:
             # Recency for the policy, as vLLM's own offloading applies it when a request
             # finishes: its blocks (loaded, stored, or present) were just used.
             self.directory_tell(Touch(keys=tuple(st.keys)))
+            if self.disk is not None:
+                self.disk.dir.touch(st.keys)
         if st.load_job is not None:
             # Aborted while its load runs: vLLM frees the blocks at finished_recving.
             return True, params
@@ -735,6 +874,23 @@ class SchedulerSide:
             stores_skipped=d.stores_skipped_present + d.stores_skipped_full,
             evictions=d.evictions,
         )
+        disk = self.disk
+        if disk is not None:
+            dd = disk.dir
+            now.update(
+                counter_values(
+                    disk_tokens_hit=c["disk_tokens_hit"],
+                    disk_read_bytes=c["disk_read_bytes"],
+                    disk_read_seconds=c["disk_read_seconds"],
+                    disk_write_bytes=c["disk_write_bytes"],
+                    disk_write_seconds=c["disk_write_seconds"],
+                    disk_blocks_written=c["disk_chunks_written"],
+                    disk_blocks_corrupt=c["disk_chunks_corrupt"],
+                    disk_reads_failed=c["disk_reads_failed"],
+                    disk_writes_failed=c["disk_writes_failed"],
+                    disk_evictions=dd.evictions,
+                )
+            )
         deltas = {k: v - self._reported.get(k, 0) for k, v in now.items()}
         self._reported = now
         counters = {k: v for k, v in deltas.items() if v}
@@ -743,6 +899,16 @@ class SchedulerSide:
             host_blocks_capacity=d.capacity,
             host_usage_ratio=d.used / d.capacity,
         )
+        if disk is not None:
+            # Resident: on disk on every worker (READY), as a lookup sees the tier.
+            ready = disk.dir.used - disk.writes_in_flight
+            gauges.update(
+                gauge_values(
+                    disk_blocks_used=ready,
+                    disk_blocks_capacity=disk.capacity,
+                    disk_usage_ratio=ready / disk.capacity,
+                )
+            )
         if not counters and gauges == self._reported_gauges:
             return None
         self._reported_gauges = gauges
@@ -752,6 +918,10 @@ class SchedulerSide:
         """Clear the host tier. Jobs in flight end normally; stores that were in flight are
         then discarded instead of becoming visible."""
         dropped = self._ask(lambda r: ResetCache(reply=r))
+        if self.disk is not None:
+            # Its files are deleted with the next step (take_deletes); writes in flight
+            # end unseen.
+            dropped += self.disk.reset()
         self._dir_dirty = True
         self._stale_jobs.update(j for j, job in self._jobs.items() if job.is_store)
         for st in self._reqs.values():
@@ -763,7 +933,12 @@ class SchedulerSide:
         """This step's KV events (BlockStored / BlockRemoved / AllBlocksCleared, medium CPU)."""
         if not self.events_enabled:
             return []
-        return to_vllm_events(self._ask(lambda r: TakeEvents(reply=r)))
+        events = self._ask(lambda r: TakeEvents(reply=r))
+        if self.disk is not None:
+            events = list(events) + self.disk.take_events()
+        out = to_vllm_events(events, describe=self._book.describe)
+        self._book.drop_retired()  # every store retired so far had its event in these
+        return out
 
     def has_pending_work(self) -> bool:
         return bool(
@@ -772,11 +947,15 @@ class SchedulerSide:
             or self._pending_stores
             or self._pending_releases
             or self._pending_failed_loads
+            or self._pending_disk_writes
         )
 
     def statistics(self) -> SchedulerStatistics:
         directory = self._ask(lambda r: GetStatistics(reply=r))
-        return SchedulerStatistics(jobs_in_flight=len(self._jobs), directory=directory, **self._c)
+        disk = self.disk.statistics() if self.disk is not None else None
+        return SchedulerStatistics(
+            jobs_in_flight=len(self._jobs), directory=directory, disk=disk, **self._c
+        )
 
     def shutdown(self) -> None:
         self.trace.close_all()
@@ -815,6 +994,8 @@ class SchedulerSide:
         all_keys: list[bytes] = []
         for st, first, upto, _ in plans:
             all_keys.extend(self._keys(st.request, first, upto))
+            if self.events_enabled:
+                self._book.record_chunks(st.request, first, upto)
         if not all_keys:
             return
         slots_all = self._ask(lambda r: PrepareStore(keys=tuple(all_keys), reply=r))
@@ -825,6 +1006,8 @@ class SchedulerSide:
         for st, first, upto, block_ids in plans:
             n = (upto - first) * G
             slots = slots_all[pos : pos + n].reshape(upto - first, G)
+            keys_of = all_keys[pos : pos + n]
+            plan_keys = tuple(keys_of) if self.events_enabled else ()
             pos += n
             parts = []
             taken = []
@@ -838,20 +1021,22 @@ class SchedulerSide:
                         continue
                     dev = block_ids[g][c * bpc : (c + 1) * bpc]
                     if 0 in dev:  # a null block (outside a sliding window): nothing to store
-                        taken.append((slot, False))
+                        taken.append((slot, False, b""))
                         continue
                     dev_rows.extend(dev)
                     host_rows.extend(range(slot * bpc, (slot + 1) * bpc))
-                    taken.append((slot, True))
+                    taken.append((slot, True, keys_of[i * G + g]))
                 if dev_rows:
                     parts.append(GroupBlocks(group=g, device_blocks=dev_rows, host_rows=host_rows))
                     if geo.windows[g] is not None:
                         fenced.extend(dev_rows)
-            dead = [s for s, ok in taken if not ok]
+            dead = [s for s, ok, _ in taken if not ok]
             if dead:
                 self.directory_tell(CompleteStore(slots=dead, ok=False))
-            live = np.asarray([s for s, ok in taken if ok], dtype=np.int64)
+            live = np.asarray([s for s, ok, _ in taken if ok], dtype=np.int64)
+            live_keys = tuple(k for _, ok, k in taken if ok)
             if not parts:
+                self._book.retire(plan_keys)
                 continue
             job_id = self._new_job_id()
             self._jobs[job_id] = _Job(
@@ -861,6 +1046,8 @@ class SchedulerSide:
                 slots=live,
                 tokens=len(live) * geo.chunk_tokens // G if G else 0,
                 fenced=tuple(fenced),
+                keys=live_keys if self.disk is not None else (),
+                event_keys=plan_keys,
             )
             for block in fenced:
                 self._fences.setdefault(block, set()).add(job_id)
@@ -891,6 +1078,7 @@ class SchedulerSide:
         lease = self._leases.pop(req_id, None)
         if lease is not None:
             self._unpin(lease)
+        self._unpin_disk(self._disk_leases.pop(req_id, None))
 
     def _expire_loads(self) -> None:
         """End, as failed, every load still unacknowledged at its deadline (invariant 7).
@@ -912,6 +1100,8 @@ class SchedulerSide:
             valid = job.slots[job.slots >= 0]
             if len(valid):
                 self.directory_tell(CompleteLoad(slots=valid))
+            # Its disk chunks' host slots stay reserved until every worker reported: a late
+            # read still writes into them (_ack_expired ends them).
             self._dir_dirty = True
             self._c["loads_failed"] += 1
             reason = f"no worker reported it within job_timeout_s={self.cfg.job_timeout_s}"
@@ -925,6 +1115,8 @@ class SchedulerSide:
             self.trace.job_ended(job.job_id, ok=False, error=reason)
 
     def _release_keys(self, job: _Job) -> None:
+        if job.is_store:  # a store's keys (write-through) hold back no lookup
+            return
         for k in job.keys:
             n = self._loading.pop(k) - 1
             if n:
@@ -936,14 +1128,89 @@ class SchedulerSide:
         if job.acks < self.world_size:
             return
         del self._expired[job.job_id]
+        self._end_disk_reads(job)
         st = self._reqs.get(job.req_id)
         if st is not None and st.load_job == job.job_id:
             st.load_job = None
+
+    def _end_disk_reads(self, job: _Job) -> None:
+        """A load's disk chunks, once every worker reported: read everywhere, their host
+        slots become READY (the blocks are in host memory now); else dropped, and a
+        chunk that failed is dropped from the disk tier too (its files deleted)."""
+        if not job.disk_keys or self.disk is None:
+            return
+        n = len(job.disk_keys)
+        failed = job.disk_failed
+        if failed is None or len(failed) != n:  # unreported: nothing known to be good
+            failed = np.full(n, self.world_size, np.int64)
+        ok = failed == 0
+        slots = job.disk_host_slots
+        if ok.any():
+            self.directory_tell(CompleteStore(slots=slots[ok], ok=True))
+        if not ok.all():
+            self.directory_tell(CompleteStore(slots=slots[~ok], ok=False))
+        self.disk.unpin(job.disk_slots)
+        if job.disk_failed is not None:
+            self.disk.reads_ended(job.disk_keys, failed)
+
+    def _write_through(self, job: _Job) -> None:
+        """A store ended well on every worker: its blocks become host hits, and those the
+        disk tier takes are written down, their host slots pinned (in the same message:
+        no eviction in between) until the write ends."""
+        if self.disk is None:
+            return
+        places = self.disk.prepare_writes(job.keys)
+        chosen = places >= 0
+        self.directory_tell(CompleteStore(slots=job.slots, ok=True, pin=job.slots[chosen]))
+        keys = [k for k, c in zip(job.keys, chosen.tolist(), strict=True) if c]
+        # The facts of the keys written down are kept for the disk tier's own event.
+        written = set(keys) if job.event_keys else set()
+        self._book.retire([k for k in job.event_keys if k not in written])
+        if not chosen.any():
+            return
+        write_id = self._new_job_id()
+        host = job.slots[chosen]
+        self._jobs[write_id] = _Job(
+            job_id=write_id,
+            req_id="",
+            is_store=True,
+            slots=host,
+            tokens=0,
+            disk_keys=tuple(keys),
+            disk_slots=places[chosen],
+            disk_write=True,
+            event_keys=tuple(k for k in job.event_keys if k in written),
+        )
+        self._pending_disk_writes.append(
+            DiskWriteSpec(job_id=write_id, chunks=DiskChunks(keys=keys, slots=host))
+        )
+
+    def _end_disk_write(self, job: _Job) -> None:
+        if self.disk is None:
+            return
+        n = len(job.disk_keys)
+        failed = job.disk_failed
+        if failed is None or len(failed) != n:
+            failed = np.full(n, self.world_size, np.int64)
+        self._c["disk_chunks_written"] += self.disk.writes_ended(
+            job.disk_slots, job.disk_keys, failed
+        )
+        self._book.retire(job.event_keys)
+        self._unpin(job.slots)
 
     def _ack(self, meta: KVFerryWorkerMetadata) -> None:
         for key, value in meta.stats.items():
             if key in self._c:
                 self._c[key] += value
+        for job_id, counts in meta.disk_failed.items():
+            reported = self._jobs.get(job_id) or self._expired.get(job_id)
+            if reported is None:
+                continue
+            arr = np.asarray(counts, np.int64)
+            if reported.disk_failed is None:
+                reported.disk_failed = arr
+            elif len(reported.disk_failed) == len(arr):
+                reported.disk_failed = reported.disk_failed + arr
         for job_id, (done, failed) in meta.acks.items():
             job = self._jobs.get(job_id)
             if job is None:
@@ -958,6 +1225,9 @@ class SchedulerSide:
             if job.acks < self.world_size:
                 continue
             del self._jobs[job_id]
+            if job.disk_write:
+                self._end_disk_write(job)
+                continue
             for block in job.fenced:
                 jobs = self._fences[block]
                 jobs.discard(job_id)
@@ -975,7 +1245,13 @@ class SchedulerSide:
             if job.is_store:
                 stale = job_id in self._stale_jobs
                 self._stale_jobs.discard(job_id)
-                self.directory_tell(CompleteStore(slots=job.slots, ok=not job.failed and not stale))
+                if self.disk is not None and job.keys and not job.failed and not stale:
+                    self._write_through(job)
+                else:
+                    self.directory_tell(
+                        CompleteStore(slots=job.slots, ok=not job.failed and not stale)
+                    )
+                    self._book.retire(job.event_keys)
                 self._c["stores_failed" if job.failed else "stores_done"] += 1
                 if not job.failed:
                     self._c["tokens_stored"] += job.tokens
@@ -985,6 +1261,7 @@ class SchedulerSide:
                 valid = job.slots[job.slots >= 0]
                 if len(valid):
                     self.directory_tell(CompleteLoad(slots=valid))
+                self._end_disk_reads(job)
                 self._c["loads_failed" if job.failed else "loads_done"] += 1
                 if not job.failed:
                     self._c["tokens_loaded"] += job.tokens

@@ -22,13 +22,31 @@ def scheduler(make_vllm_config: Any, kv_cache_config: Any) -> Iterator[Any]:
         yield side
 
 
+DISK = "vllm:kvferry_disk_"
+
+
 def test_the_scheduler_reports_every_name_of_the_table_and_no_other(scheduler: Any) -> None:
     first = scheduler.kv_connector_stats()
     # Counters are increments: a new connector has none; the names are still all checked.
     assert first == {"counters": {}, "gauges": first["gauges"]}
-    assert set(first["gauges"]) == {m.full_name for m in GAUGES}
+    # Without a disk tier, none of its series.
+    assert set(first["gauges"]) == {m.full_name for m in GAUGES if not m.full_name.startswith(DISK)}
     reported = set(scheduler._reported)
-    assert reported == {m.full_name for m in COUNTERS} - {UNKNOWN_METRICS}
+    assert reported == {m.full_name for m in COUNTERS if not m.full_name.startswith(DISK)} - {
+        UNKNOWN_METRICS
+    }
+
+
+def test_with_a_disk_tier_the_scheduler_reports_its_series_too(
+    make_vllm_config: Any, kv_cache_config: Any, tmp_path: Any
+) -> None:
+    tiers = [{"kind": "disk", "path": str(tmp_path), "bytes_to_use": 64 << 20}]
+    with scheduler_side(make_vllm_config, kv_cache_config, tiers=tiers) as side:
+        first = side.kv_connector_stats()
+        assert set(first["gauges"]) == {m.full_name for m in GAUGES}
+        assert first["gauges"][DISK + "blocks_used"] == 0
+        assert first["gauges"][DISK + "blocks_capacity"] == side.disk.capacity > 0
+        assert set(side._reported) == {m.full_name for m in COUNTERS} - {UNKNOWN_METRICS}
 
 
 def make_exporter(make_vllm_config: Any) -> tuple[Any, CollectorRegistry]:

@@ -18,6 +18,9 @@ bounded poll), then polls the SUB once, all before the first request. Sequence n
 prove that no batch was lost; a gap would be filled from vLLM's replay socket (ROUTER,
 which vLLM binds on an ipc path here), as vLLM's example subscriber does.
 
+kvferry's stores come complete (the block's tokens, its parent's hash, ``block_size``):
+a router can index them as it indexes vLLM's own blocks.
+
 The workload: three documents that overflow both the engine's cache (18 blocks) and
 kvferry's host tier (10 blocks), asked twice; a reset of vLLM's prefix cache only (kvferry
 keeps its blocks); a reset with ``reset_connector=True`` (kvferry drops them). Outputs equal
@@ -39,7 +42,8 @@ from kvferry.testing import close_engine, engine_args, long_doc_prompts, reask_o
 pytestmark = pytest.mark.e2e
 
 NUM_DOCS, DOC_TOKENS = 3, 1000  # 7 full blocks of 128 tokens each: 21 > the host tier's 10
-BLOCKS_PER_DOC = (DOC_TOKENS + 8) // 128
+BLOCK_TOKENS = 128  # vLLM's block on the CPU, and kvferry's offloaded block (one of them)
+BLOCKS_PER_DOC = (DOC_TOKENS + 8) // BLOCK_TOKENS
 NUM_GPU_BLOCKS = 18  # 17 usable (one is vLLM's null block): 2 documents at a time
 MAX_MODEL_LEN = 1280
 HOST_SLOTS = 10
@@ -243,8 +247,13 @@ def with_kvferry(
                 if len(clears) < expected_clears:
                     return False
                 after = events[clears[expected_clears - 1] + 1 :]
+                # A chain of blocks stored in one step is one BlockStored: count hashes.
                 return (
-                    sum(isinstance(e, BlockStored) and e.medium == "CPU" for e in after)
+                    sum(
+                        len(e.block_hashes)
+                        for e in after
+                        if isinstance(e, BlockStored) and e.medium == "CPU"
+                    )
                     >= BLOCKS_PER_DOC
                 )
 
@@ -294,12 +303,44 @@ def test_kvferry_events_have_medium_cpu(with_kvferry: dict[str, Any]) -> None:
     }, kinds
     for e in events:
         if isinstance(e, BlockStored) and e.medium == "CPU":
-            # kvferry's placeholder payload, as vLLM's OffloadingConnector sends it.
-            assert len(e.block_hashes) == 1 and e.token_ids == [] and e.block_size == 0, e
-            assert e.parent_block_hash is None and e.group_idx == 0, e
+            # Complete payloads (the next test checks the tokens and the parents).
+            assert e.block_hashes and e.block_size == BLOCK_TOKENS, e
+            assert len(e.token_ids) == len(e.block_hashes) * BLOCK_TOKENS, e
+            assert e.group_idx == 0 and e.kv_cache_spec_kind == "full_attention", e
+            assert e.lora_id is None and e.lora_name is None, e
         elif isinstance(e, BlockRemoved) and e.medium == "CPU":
             assert e.block_hashes and e.group_idx == 0, e
     assert sum(isinstance(e, AllBlocksCleared) for e in events) == with_kvferry["expected_clears"]
+
+
+def test_kvferry_stores_carry_each_blocks_tokens_and_parent(with_kvferry: dict[str, Any]) -> None:
+    """Each block kvferry announces has the tokens and the parent vLLM announced for it
+    (its GPU event), and following the parents from it gives a prompt's prefix."""
+    from vllm.distributed.kv_events import BlockStored
+
+    events = [e for _, batch in with_kvferry["batches"] for e in batch.events]
+    blocks: dict[str, dict[Any, tuple[Any, list[int]]]] = {"GPU": {}, "CPU": {}}
+    checked = 0
+    for i, e in enumerate(events):
+        if not isinstance(e, BlockStored):
+            continue
+        assert e.block_size == BLOCK_TOKENS, (i, e)
+        parent = e.parent_block_hash
+        for j, block_hash in enumerate(e.block_hashes):
+            block = (parent, e.token_ids[j * BLOCK_TOKENS : (j + 1) * BLOCK_TOKENS])
+            if e.medium == "CPU":
+                assert blocks["GPU"][block_hash] == block, (i, j, e)
+                checked += 1
+            blocks[str(e.medium)][block_hash] = block
+            parent = block_hash
+    assert checked >= NUM_DOCS * BLOCKS_PER_DOC, checked
+    for block_hash in blocks["CPU"]:
+        prefix: list[int] = []
+        at: Any = block_hash
+        while at is not None:  # vLLM announced every parent before its children
+            at, block_tokens = blocks["GPU"][at]
+            prefix[:0] = block_tokens
+        assert any(doc[: len(prefix)] == prefix for doc in DOCS), block_hash
 
 
 def test_kvferry_stores_blocks_vllm_computed_and_removes_only_stored_ones(
