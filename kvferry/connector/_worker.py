@@ -2,22 +2,62 @@
 
 Who owns what: vLLM calls these methods on the worker process's engine thread. The
 :class:`~kvferry.transfer.StoreActor` and :class:`~kvferry.transfer.LoadActor` own the
-copy engine's completions; this object owns the bookkeeping of which request waits on
+copy engine's completions, the :class:`~kvferry.tiers.DiskIOActor` (with a disk tier)
+this worker's chunk files; this object owns the bookkeeping of which request waits on
 which job. One runtime call per vLLM call.
+
+The disk tier, on this side:
+
+- at start (``register_kv_caches``) a :class:`~kvferry.tiers.DiskStore` under the tier's
+  path, for this rank's fingerprint (:func:`~kvferry.connector._tiers.disk_fingerprint`)
+  and its share of ``bytes_to_use``; the layout observed on the KV tensors is compared
+  with the one recorded beside the files (``layout.json``), and on a change every chunk
+  file of the namespace is deleted before the warm-restart scan, so none is ever read;
+  then the scan, synchronously, before the engine's first step;
+- a load with ``disk_reads`` reads its chunks into its host slots first, and its copy is
+  chained after the read in the disk actor's task (``ReadChunks.then``: the load actor's
+  ``tell``), ordered after the compute captured when ``start_load_kv`` was called. The
+  engine never waits for it: it runs across engine steps, driven by the loop thread
+  (thread runtime) or by the engine's own calls (stepped). A load whose chunks did not
+  all read back verified fails on this worker (reason ``"disk"``), never copied;
+- ``wait_for_save`` queues the step's disk deletes, then its disk writes (host slots the
+  scheduler keeps pinned until the write's ack);
+- every disk job's per-chunk outcome goes back in ``disk_failed`` with the job's ack, in
+  the same worker metadata.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
+import numpy as np
 
 from .. import traces
-from .._config import FerryConfig, load_object
-from .._errors import TransferError
+from .._config import DiskTierConfig, FerryConfig, load_object
+from .._errors import ConfigError, TransferError
 from .._logging import get_logger
 from ..actors import ActorRef, ActorSystem, SyncRuntime, start_runtime
+from ..tiers import (
+    DeleteChunks,
+    DiskIOActor,
+    DiskIOMsg,
+    DiskJobResult,
+    DiskStore,
+    FileOps,
+    Outcome,
+    PollDiskJobs,
+    ReadChunks,
+    ScanDisk,
+    ScanReport,
+    WriteChunks,
+    keys_array,
+)
 from ..transfer import (
     CopyJob,
     Flushed,
@@ -34,8 +74,10 @@ from ..transfer import (
     describe_kv_caches,
     new_copy_engine,
 )
-from ._metadata import JobSpec, KVFerryMetadata, KVFerryWorkerMetadata
+from ..transfer._layout import KVLayout, _block_dim
+from ._metadata import DiskChunks, JobSpec, KVFerryMetadata, KVFerryWorkerMetadata
 from ._scheduler import Geometry, plan_geometry
+from ._tiers import disk_fingerprint
 
 if TYPE_CHECKING:
     import torch
@@ -43,16 +85,135 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 
+LAYOUT_FILE = "layout.json"
+"""Beside a worker's chunk files (in its store's namespace): the host row layout it saw."""
+
+LAYOUT_FORMAT = 1
+
+_CORRUPT = (Outcome.CORRUPT, Outcome.FOREIGN)
+
+
 @attrs.frozen
 class _Refs:
     store: ActorRef[TransferMsg]
     load: ActorRef[TransferMsg]
+    disk: ActorRef[DiskIOMsg] | None = None
+
+
+@attrs.frozen
+class _Polled:
+    copies: list[JobResult]
+    disk: list[DiskJobResult]
+
+
+@attrs.frozen(eq=False)
+class _CopyWhenRead:
+    """A disk-read load's next step (``ReadChunks.then``): its copy, once every chunk was
+    read and verified; ordered after ``compute``, the engine's mark taken when the load
+    was started. A failed read starts nothing (the facade reports the load failed)."""
+
+    load: ActorRef[TransferMsg]
+    job: CopyJob
+    compute: object | None
+
+    async def __call__(self, result: DiskJobResult) -> None:
+        if result.ok:
+            await self.load.tell(SubmitJobs(jobs=(self.job,), compute=self.compute))
+
+
+def _block_bytes(t: torch.Tensor, num_blocks: int, block_stride_bytes: int | None) -> list[Any]:
+    """How one block of a layer's tensor lies in memory: its dimensions (the block's own
+    excepted, and those of size 1), outermost first, as ``[dim, size, stride]``; the
+    stride (in elements) is None for a dimension outside the block (it scales with the
+    number of blocks, which decides where a block lives, not what its bytes mean)."""
+    bd = _block_dim(t, num_blocks, block_stride_bytes)
+    block_stride = t.stride(bd)
+    dims = [
+        (d, int(n), int(st))
+        for d, (n, st) in enumerate(zip(t.shape, t.stride(), strict=True))
+        if d != bd and n != 1
+    ]
+    dims.sort(key=lambda d: d[2], reverse=True)
+    return [[d, n, st if st < block_stride else None] for d, n, st in dims]
+
+
+def observed_layout(
+    kv_caches: dict[str, torch.Tensor],
+    group_layers: Sequence[Sequence[str]],
+    layout: KVLayout,
+    block_stride_bytes: int | None,
+    blocks_per_chunk: int,
+) -> dict[str, Any]:
+    """What decides the bytes of a host slot, as observed on the engine's KV tensors: per
+    group its layers (dtype, how a block lies in memory), the segments and regions of a
+    host row (offsets and byte sizes), the row's bytes; the device type and the rows per
+    slot. Stable across restarts of the same engine (nothing depends on the number of
+    blocks or on addresses)."""
+    groups = []
+    for layers, group in zip(group_layers, layout.groups, strict=True):
+        groups.append(
+            {
+                "row_bytes": group.row_bytes,
+                "segments": [[s.offset, s.nbytes] for s in group.segments],
+                "regions": [[r.offset, r.count, r.nbytes] for r in group.regions],
+                "layers": [
+                    {
+                        "name": name,
+                        "dtype": str(kv_caches[name].dtype),
+                        "block": _block_bytes(
+                            kv_caches[name], layout.num_blocks, block_stride_bytes
+                        ),
+                    }
+                    for name in layers
+                    if name in kv_caches
+                ],
+            }
+        )
+    return {
+        "format": LAYOUT_FORMAT,
+        "device": layout.device.type,
+        "row_bytes": layout.row_bytes,
+        "blocks_per_chunk": blocks_per_chunk,
+        "groups": groups,
+    }
+
+
+def _changed_keys(recorded: object, observed: dict[str, Any]) -> list[str]:
+    """The top-level keys of the layout record that differ (for the log)."""
+    if not isinstance(recorded, dict):
+        return ["(no readable record)" if recorded is None else str(recorded)]
+    return sorted(
+        k for k in recorded.keys() | observed.keys() if recorded.get(k) != observed.get(k)
+    )
+
+
+def clear_chunk_files(namespace: Path) -> int:
+    """Delete every chunk file (and temporary one) under ``namespace``; how many."""
+    removed = 0
+    with os.scandir(namespace) as top:
+        fans = [e.path for e in top if e.is_dir(follow_symlinks=False)]
+    for fan in fans:
+        with os.scandir(fan) as entries:
+            for entry in entries:
+                if entry.name.endswith((".kvc", ".tmp")):
+                    try:
+                        os.unlink(entry.path)
+                    except FileNotFoundError:
+                        continue
+                    removed += 1
+    return removed
 
 
 class WorkerSide:
     def __init__(
-        self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg: FerryConfig
+        self,
+        vllm_config: VllmConfig,
+        kv_cache_config: KVCacheConfig,
+        cfg: FerryConfig,
+        *,
+        disk_ops: FileOps | None = None,
     ) -> None:
+        """``disk_ops``: the disk tier's operating-system calls (tests inject faults)."""
         self.cfg = cfg
         self.kv_cache_config = kv_cache_config
         self.geometry: Geometry = plan_geometry(
@@ -81,23 +242,38 @@ class WorkerSide:
         self.trace = traces.WorkerTracer(self._provider, rank=vllm_config.parallel_config.rank)
         self._traceparents: dict[int, tuple[str, int]] = {}
         self._stats: dict[str, float] = {}
+        self.vllm_config = vllm_config
+        self._disk_ops = disk_ops
+        self.disk: DiskStore | None = None
+        self.disk_scan: ScanReport | None = None
+        self._disk_failed: dict[int, list[int]] = {}
+        """Per-chunk disk outcomes (0 ok, 1 failed) to report with their jobs' acks."""
+        self._read_outcomes: dict[int, list[int]] = {}
+        """Disk-read loads whose reads ended: their outcomes wait for the load's own end
+        (its copy's, or its failure), reported in the same worker metadata."""
+        self._disk_ended: list[DiskJobResult] = []
+        """Disk jobs ended without the disk actor (no disk tier on this worker)."""
+        self._disk_load_failure_logged = False
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         kcc = self.kv_cache_config
         tensors = getattr(kcc, "kv_cache_tensors", None) or []
         block_stride = getattr(tensors[0], "block_stride", None) if tensors else None
-        layout = describe_kv_caches(
-            kv_caches,
-            [g.layer_names for g in kcc.kv_cache_groups],
-            kcc.num_blocks,
-            block_stride,
-        )
+        group_layers = [g.layer_names for g in kcc.kv_cache_groups]
+        layout = describe_kv_caches(kv_caches, group_layers, kcc.num_blocks, block_stride)
         geo = self.geometry
         if layout.row_bytes > geo.row_bytes:
             raise TransferError(
                 f"the KV tensors hold {layout.row_bytes} bytes per block, more than the "
                 f"{geo.row_bytes} vLLM's KV-cache config announces"
             )
+        tier = self.cfg.tiers[0] if self.cfg.tiers else None
+        if tier is not None:
+            # Before the host pool: a bad path or size fails the start at once.
+            observed = observed_layout(
+                kv_caches, group_layers, layout, block_stride, geo.blocks_per_chunk
+            )
+            self.disk = self._open_disk(tier, observed)
         self.pool = HostPool(
             geo.num_slots, geo.blocks_per_chunk, layout.row_bytes, pin=layout.device.type == "cuda"
         )
@@ -106,6 +282,9 @@ class WorkerSide:
             engine = factory(layout, self.pool)
         else:
             engine = new_copy_engine(layout, self.pool)
+        store_ = self.disk
+        # The host pool as the disk actor sees it: a slot (one chunk) per row, no copy.
+        slots = self.pool.rows.numpy().reshape(geo.num_slots, -1)
 
         async def setup(system: ActorSystem) -> _Refs:
             load = await system.spawn(
@@ -114,16 +293,77 @@ class WorkerSide:
             store = await system.spawn(
                 StoreActor(engine, job_timeout_s=self.cfg.job_timeout_s), name="store"
             )
-            return _Refs(store=store, load=load)
+            disk = None
+            if store_ is not None and tier is not None:
+                # Spawned after the load actor it chains copies to: stopped before it.
+                disk = await system.spawn(
+                    DiskIOActor(store_, slots, io_depth=tier.io_depth), name="disk"
+                )
+            return _Refs(store=store, load=load, disk=disk)
 
-        self.runtime, self._refs = start_runtime(self.cfg.runtime, setup)
+        self.runtime, refs = start_runtime(self.cfg.runtime, setup)
+        self._refs = refs
         self._engine = engine
+        if refs.disk is not None and tier is not None:
+            # The warm restart: the index rebuilt from the files before the first step
+            # (the scan logs its progress), its first message. The scheduler finds the
+            # same files by its own scan.
+            budget = tier.scan_budget_s
+            self.disk_scan = self.runtime.call(
+                refs.disk.ask, lambda r: ScanDisk(reply=r, budget_s=budget)
+            )
         self._log.info(
             "worker_started",
             host_pool_bytes=self.pool.nbytes,
             layout_segments=sum(len(g.segments) for g in layout.groups),
             runtime=type(self.runtime).__name__,
+            disk_chunks=None if self.disk_scan is None else self.disk_scan.chunks,
         )
+
+    def _open_disk(self, tier: DiskTierConfig, observed: dict[str, Any]) -> DiskStore:
+        """This rank's store (its share of ``bytes_to_use``), its chunk files deleted if
+        they were written for another host row layout than ``observed``, which is then
+        recorded beside them."""
+        parallel = self.vllm_config.parallel_config
+        fingerprint = disk_fingerprint(
+            self.vllm_config, self.kv_cache_config, self.geometry.chunk_tokens, parallel.rank
+        )
+        store = DiskStore(
+            tier.path,
+            tier.bytes_to_use // max(1, parallel.world_size),
+            fingerprint,
+            tier_index=tier.index,
+            fsync=tier.fsync,
+            ops=self._disk_ops,
+        )
+        target = store.namespace / LAYOUT_FILE
+        try:
+            recorded: object = json.loads(target.read_text())
+        except FileNotFoundError:
+            recorded = None
+        except (OSError, ValueError) as exc:
+            recorded = f"unreadable: {exc!r}"
+        if recorded == observed:
+            return store
+        # Before the scan: a chunk written for another layout is never indexed, never
+        # read. No record at all: none written yet, or files of a writer that kept none.
+        removed = clear_chunk_files(store.namespace)
+        if recorded is not None or removed:
+            self._log.warning(
+                "disk_layout_changed",
+                path=str(store.namespace),
+                chunks_deleted=removed,
+                changed=_changed_keys(recorded, observed),
+            )
+        tmp = target.with_name(f"{LAYOUT_FILE}.{os.getpid()}.tmp")
+        try:
+            tmp.write_text(json.dumps(observed, sort_keys=True, indent=1) + "\n")
+            os.replace(tmp, target)
+        except OSError as exc:
+            raise ConfigError(
+                f"tiers[{tier.index}].path", f"cannot write in {store.namespace}: {exc}"
+            ) from exc
+        return store
 
     def handle_preemptions(self, meta: KVFerryMetadata) -> None:
         """Stores still reading blocks the engine will reuse are ordered before this step's
@@ -165,6 +405,7 @@ class WorkerSide:
         if not meta.loads or self._refs is None:
             return
         jobs = []
+        reads: list[tuple[JobSpec, DiskChunks]] = []
         for spec in meta.loads:
             blocks = [int(b) for p in spec.copy.parts for b in p.device_blocks]
             self._load_req[spec.copy.job_id] = (spec.req_id, blocks)
@@ -180,11 +421,49 @@ class WorkerSide:
                         reason="rejected",
                     )
                 )
+            elif spec.disk_reads is not None:
+                reads.append((spec, spec.disk_reads))
             else:
                 jobs.append(spec.copy)
         self._remember_traces(meta.loads)
         if jobs:
             self._submit(self._refs.load, jobs)
+        if reads:
+            self._start_disk_loads(reads)
+
+    def _start_disk_loads(self, specs: list[tuple[JobSpec, DiskChunks]]) -> None:
+        """Read each load's chunks into its host slots, then copy (chained in the disk
+        actor, ordered after the compute enqueued so far on this thread)."""
+        refs = self._refs
+        if refs is None:
+            return
+        if refs.disk is None:
+            # The scheduler planned disk reads for a worker without the tier (configs
+            # that differ): every chunk fails here, and so does the load.
+            self._log.error(
+                "disk_read_without_disk_tier", job_ids=[s.copy.job_id for s, _ in specs]
+            )
+            for spec, chunks in specs:
+                self._disk_ended.append(_not_run(spec.copy.job_id, "read", len(chunks.keys)))
+            return
+        mark = capture_compute(self._engine)
+        msgs: list[DiskIOMsg] = [
+            ReadChunks(
+                job_id=spec.copy.job_id,
+                keys=keys_array(chunks.keys),
+                slots=chunks.slots,
+                then=_CopyWhenRead(load=refs.load, job=spec.copy, compute=mark),
+            )
+            for spec, chunks in specs
+        ]
+        self._tell_disk(refs.disk, msgs)
+
+    def _tell_disk(self, ref: ActorRef[DiskIOMsg], msgs: list[DiskIOMsg]) -> None:
+        """``msgs`` to the disk actor, in order, in one runtime call."""
+        if len(msgs) == 1:
+            self.runtime.call(ref.tell, msgs[0])  # type: ignore[union-attr]
+        elif msgs:
+            self.runtime.call(_tell_all, ref, msgs)  # type: ignore[union-attr]
 
     def wait_for_save(self, meta: KVFerryMetadata) -> None:
         if self._refs is None:
@@ -196,6 +475,28 @@ class WorkerSide:
         self._remember_traces(meta.stores)
         if meta.stores:
             self._submit(self._refs.store, [s.copy for s in meta.stores])
+        if meta.disk_deletes or meta.disk_writes:
+            self._write_disk(self._refs, meta)
+
+    def _write_disk(self, refs: _Refs, meta: KVFerryMetadata) -> None:
+        """This step's disk deletes, then its disk writes: after its stores (the slots
+        written down were stored and acknowledged before; pinned until the write's ack)."""
+        if refs.disk is None:
+            if meta.disk_writes:
+                self._log.error(
+                    "disk_write_without_disk_tier", job_ids=[w.job_id for w in meta.disk_writes]
+                )
+            for w in meta.disk_writes:
+                self._disk_ended.append(_not_run(w.job_id, "write", len(w.chunks.keys)))
+            return
+        msgs: list[DiskIOMsg] = []
+        if meta.disk_deletes:
+            msgs.append(DeleteChunks(keys=keys_array(meta.disk_deletes)))
+        msgs.extend(
+            WriteChunks(job_id=w.job_id, keys=keys_array(w.chunks.keys), slots=w.chunks.slots)
+            for w in meta.disk_writes
+        )
+        self._tell_disk(refs.disk, msgs)
 
     def _remember_traces(self, specs: list[JobSpec]) -> None:
         if not self.trace.enabled:
@@ -215,7 +516,15 @@ class WorkerSide:
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         if self._refs is None:
             return None, None
-        results: list[JobResult] = self.runtime.call(self._poll, self._refs)  # type: ignore[union-attr]
+        polled: _Polled = self.runtime.call(self._poll, self._refs)  # type: ignore[union-attr]
+        results = polled.copies
+        disk = polled.disk
+        if self._disk_ended:
+            disk = self._disk_ended + disk
+            self._disk_ended = []
+        if disk:
+            # Before the copies: a load's reads ended no later than its copy did.
+            results = self._disk_jobs_ended(disk) + results
         if self._planned_failures:
             results = self._planned_failures + results
             self._planned_failures = []
@@ -244,6 +553,9 @@ class WorkerSide:
             ack = self._acks.setdefault(res.job_id, [0, 0])
             ack[0] += 1
             ack[1] += 0 if ok else 1
+            read = self._read_outcomes.pop(res.job_id, None)
+            if read is not None:
+                self._disk_failed[res.job_id] = read
             key = res.direction
             self._stats[f"{key}_bytes"] = self._stats.get(f"{key}_bytes", 0.0) + res.nbytes
             self._stats[f"{key}_seconds"] = self._stats.get(f"{key}_seconds", 0.0) + res.seconds
@@ -267,10 +579,69 @@ class WorkerSide:
         return finished_sending or None, finished_recving or None
 
     @staticmethod
-    async def _poll(refs: _Refs) -> list[JobResult]:
+    async def _poll(refs: _Refs) -> _Polled:
         loads: list[JobResult] = await refs.load.ask(lambda r: PollFinished(reply=r))
         stores: list[JobResult] = await refs.store.ask(lambda r: PollFinished(reply=r))
-        return loads + stores
+        # After the loads: a copy chained after a read is submitted only once the read's
+        # result is queued here, so a copy seen ended above has its read's result below
+        # (or in an earlier poll).
+        disk: list[DiskJobResult] = (
+            [] if refs.disk is None else await refs.disk.ask(lambda r: PollDiskJobs(reply=r))
+        )
+        return _Polled(copies=loads + stores, disk=disk)
+
+    def _disk_jobs_ended(self, ended: list[DiskJobResult]) -> list[JobResult]:
+        """Account for disk jobs that ended: a write is acknowledged now, with its chunks'
+        outcomes; a read's outcomes wait for its load's end. Returns the loads whose reads
+        failed, as failed jobs (their copies were never started)."""
+        failed: list[JobResult] = []
+        stats = self._stats
+        for res in ended:
+            bad = res.outcomes != Outcome.OK
+            per_chunk = [int(b) for b in bad]
+            n_bad = int(bad.sum())
+            if res.kind == "write":
+                ack = self._acks.setdefault(res.job_id, [0, 0])
+                ack[0] += 1
+                ack[1] += 1 if n_bad else 0
+                self._disk_failed[res.job_id] = per_chunk
+                _add(stats, "disk_write_bytes", res.nbytes)
+                _add(stats, "disk_write_seconds", res.seconds)
+                _add(stats, "disk_writes_failed", n_bad)
+                continue
+            _add(stats, "disk_read_bytes", res.nbytes)
+            _add(stats, "disk_read_seconds", res.seconds)
+            _add(stats, "disk_reads_failed", n_bad)
+            _add(stats, "disk_chunks_corrupt", int(np.isin(res.outcomes, _CORRUPT).sum()))
+            load = self._load_req.get(res.job_id)
+            if load is None:
+                # Reads are only sent for this worker's loads, which end once: a bug.
+                self._log.error("disk_read_for_unknown_load", job_id=res.job_id)
+                continue
+            self._read_outcomes[res.job_id] = per_chunk
+            if n_bad:
+                outcomes = sorted({Outcome(int(o)).name for o in res.outcomes[bad]})
+                log = self._log.debug if self._disk_load_failure_logged else self._log.warning
+                self._disk_load_failure_logged = True
+                log(
+                    "disk_load_failed",
+                    job_id=res.job_id,
+                    chunks_failed=n_bad,
+                    outcomes=outcomes,
+                    note="logged once; later ones are counted (disk_reads_failed)",
+                )
+                failed.append(
+                    JobFailed(
+                        job_id=res.job_id,
+                        direction="load",
+                        error=f"{n_bad} of {len(per_chunk)} chunks not read from disk: "
+                        + ", ".join(outcomes),
+                        block_ids=tuple(load[1]),
+                        num_blocks=len(load[1]),
+                        reason="disk",
+                    )
+                )
+        return failed
 
     def take_failed_recving(self) -> set[str]:
         """Requests whose load failed, reported whole (several KV-cache groups); each is
@@ -283,10 +654,12 @@ class WorkerSide:
         return errors
 
     def build_worker_meta(self) -> KVFerryWorkerMetadata | None:
-        if not self._acks and not self._stats:
+        if not self._acks and not self._stats and not self._disk_failed:
             return None
-        meta = KVFerryWorkerMetadata(acks=self._acks, stats=self._stats)
-        self._acks, self._stats = {}, {}
+        meta = KVFerryWorkerMetadata(
+            acks=self._acks, stats=self._stats, disk_failed=self._disk_failed
+        )
+        self._acks, self._stats, self._disk_failed = {}, {}, {}
         return meta
 
     def shutdown(self) -> None:
@@ -300,3 +673,23 @@ class WorkerSide:
             engine.close()
         if self.pool is not None:
             self.pool.close()  # unpins at once (nothing copies to or from it any more)
+
+
+def _add(stats: dict[str, float], key: str, value: float) -> None:
+    stats[key] = stats.get(key, 0.0) + value
+
+
+def _not_run(job_id: int, kind: Literal["read", "write"], n: int) -> DiskJobResult:
+    """A disk job this worker cannot run (it has no disk tier): every chunk aborted."""
+    return DiskJobResult(
+        job_id=job_id,
+        kind=kind,
+        outcomes=np.full(n, Outcome.ABORTED, dtype=np.int8),
+        nbytes=0,
+        seconds=0.0,
+    )
+
+
+async def _tell_all(ref: ActorRef[DiskIOMsg], msgs: list[DiskIOMsg]) -> None:
+    for msg in msgs:
+        await ref.tell(msg)

@@ -1,6 +1,6 @@
 """Tiers below host memory: chunk format, the local disk store and its I/O actor.
 
-Not yet wired into the connector (see docs/architecture.md once it is).
+Driven by the connector (docs/architecture.md, "The disk tier").
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ message per engine step and direction, each a batch: keys as one ``(n, key_bytes
 uint8 array and host slots as one int64 array; ``DeleteChunks`` when the disk tier
 evicts. It asks ``PollDiskJobs`` once per step
 (or gives a job a ``notify`` reply, answered when the job ends). Every job ends, and is
-reported once, with one :class:`~kvferry.tiers.Outcome` per chunk.
+reported once, with one :class:`~kvferry.tiers.Outcome` per chunk. A job may also carry
+a ``then`` step, run in this actor's task once it ended (a load's copy, chained after its
+reads: the worker-side facade passes the load actor's ``tell``).
 
 Who owns what: the actor owns its two queues (reads, writes: chunks not yet started) and
 its jobs in flight. The blocking file I/O runs in worker threads on ``io_depth`` runner actors
@@ -30,7 +32,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Literal, TypeAlias, assert_never
 
 import anyio
@@ -74,6 +76,14 @@ class _Chunks:
     keys: npt.NDArray[np.uint8] = attrs.field(converter=_readonly_keys, eq=False)
     slots: npt.NDArray[np.int64] = attrs.field(converter=_readonly_i64, eq=False)
     notify: Reply[DiskJobResult] | None = attrs.field(default=None, eq=False, repr=False)
+    then: Callable[[DiskJobResult], Awaitable[object]] | None = attrs.field(
+        default=None, eq=False, repr=False
+    )
+    """Awaited in the actor's task with the job's result once the job ended, after the
+    result was queued for ``PollDiskJobs`` (or answered ``notify``), so a poll that sees
+    what ``then`` started also sees the job's result. The next step of a chain, e.g. a
+    load's copy once its chunks are read: it must not wait on this actor (an
+    :class:`~kvferry.ActorStopped` it raises is logged, not raised)."""
 
     def __attrs_post_init__(self) -> None:
         if len(self.keys) != len(self.slots):
@@ -272,6 +282,7 @@ class DiskIOActor(Actor[DiskIOMsg]):
         self._log = get_logger("kvferry.tiers", actor="DiskIOActor")
         self._dropped_logged = False
         self._reads_waiting = threading.Event()
+        self._then: list[tuple[Callable[[DiskJobResult], Awaitable[object]], DiskJobResult]] = []
         self._batch_chunks = max(1, batch_bytes // max(1, slots.shape[1]))
 
     async def handle(self, msg: DiskIOMsg) -> None:
@@ -299,6 +310,16 @@ class DiskIOActor(Actor[DiskIOMsg]):
                 reply.set(self.statistics())
             case _:
                 assert_never(msg)
+        if self._then:
+            await self._run_then()
+
+    async def _run_then(self) -> None:
+        chained, self._then = self._then, []
+        for then, result in chained:
+            try:
+                await then(result)
+            except ActorStopped as exc:  # stopping: what it would start is not needed
+                self._log.info("disk_job_then_dropped", job_id=result.job_id, error=str(exc))
 
     async def _accept(self, msg: ReadChunks | WriteChunks, kind: Kind) -> None:
         n = len(msg.slots)
@@ -342,12 +363,26 @@ class DiskIOActor(Actor[DiskIOMsg]):
                     )
         if not self._spawned:
             self._spawned = True
-            for i in range(self.io_depth):
-                runner = _Runner(self.ref, self.store, self.slots, self._reads_waiting)
-                self._idle.append(await self.system.spawn(runner, name=f"{self.ref.name}.io{i}"))
+            await self._spawn_runners()
         if job.pending == 0:
             self._finish(job)
         self._dispatch()
+
+    async def _spawn_runners(self) -> None:
+        """The runners, at the first job. None once the system is stopping (the job's
+        chunks then wait, and end aborted when this actor stops): a runner whose start
+        overlapped the start of the system's shutdown is stopped here, as the shutdown
+        may have passed it by."""
+        system = self.system
+        for i in range(self.io_depth):
+            if not system.running:
+                return
+            runner = _Runner(self.ref, self.store, self.slots, self._reads_waiting)
+            ref = await system.spawn(runner, name=f"{self.ref.name}.io{i}")
+            if not system.running:
+                await ref.stop()
+                return
+            self._idle.append(ref)
 
     def _dispatch(self) -> None:
         while self._idle and (self._reads or self._writes):
@@ -401,6 +436,8 @@ class DiskIOActor(Actor[DiskIOMsg]):
             job.msg.notify.set(result)
         else:
             self._ended.append(result)
+        if job.msg.then is not None:
+            self._then.append((job.msg.then, result))
 
     async def on_stop(self) -> None:
         for job in self._jobs.values():

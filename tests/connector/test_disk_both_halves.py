@@ -1,0 +1,175 @@
+"""Both halves of the disk tier on one temporary directory, without an engine: the
+scheduler half's metadata goes to a real worker half (CPU copy engine, real files), the
+worker's reports come back, step by step as vLLM passes them. A prompt stored by one
+request, written down, evicted from host memory, is loaded from disk by the next
+request, bit for bit; a file damaged in between makes that load fail on the worker, and
+the scheduler drops the chunk; a restart finds the files again."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from kvferry import FerryConfig
+from kvferry.cache import ClearAll, GetStatistics
+from kvferry.tiers import HEADER_SIZE
+from kvferry.tiers._format import file_size
+
+from ._steps import BLOCK, allocated, key, request, step
+
+LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+SLOT_BYTES = 2 * 2 * BLOCK * 2 * 64 * 2  # 2 layers x (K, V) x 128 tokens x 2 heads x 64 x bf16
+
+
+class Engine:
+    """A worker half and a scheduler half on the same config, passed each other's data
+    the way vLLM does once per step (the worker is built first, as in vLLM: its
+    ``register_kv_caches`` runs before the scheduler exists)."""
+
+    def __init__(self, make_vllm_config: Any, kv_cache_config: Any, path: Path, runtime: str):
+        from kvferry.connector._scheduler import SchedulerSide
+        from kvferry.connector._worker import WorkerSide
+
+        extra = {
+            "cpu_bytes_to_use": 8 * SLOT_BYTES,
+            "runtime": runtime,
+            "tiers": [
+                {"kind": "disk", "path": str(path), "bytes_to_use": 16 * file_size(SLOT_BYTES)}
+            ],
+        }
+        cfg = FerryConfig.from_dict(extra)
+        self.worker = WorkerSide(make_vllm_config(extra), kv_cache_config, cfg)
+        g = torch.Generator().manual_seed(0)
+        self.kv = {n: torch.randn(2, 16, BLOCK, 2, 64, generator=g).bfloat16() for n in LAYERS}
+        self.worker.register_kv_caches(self.kv)
+        self.sched = SchedulerSide(make_vllm_config(extra), kv_cache_config, cfg)
+        self.recving: set[str] = set()
+        self.load_errors: set[int] = set()
+
+    def step(self, new: dict[str, tuple[list[int], ...]], scheduled: dict[str, int]) -> None:
+        meta = self.sched.build_connector_meta(step(new, scheduled))
+        self.worker.handle_preemptions(meta)
+        self.worker.start_load_kv(meta)
+        self.worker.wait_for_save(meta)
+        sending, recving = self.worker.get_finished()
+        self.recving |= recving or set()
+        self.load_errors |= self.worker.get_block_ids_with_load_errors()
+        self.sched.update_connector_output(
+            SimpleNamespace(
+                kv_connector_worker_meta=self.worker.build_worker_meta(),
+                finished_sending=sending,
+                finished_recving=recving,
+            )
+        )
+
+    def run_until(self, done: Callable[[], bool]) -> None:
+        """Empty engine steps until ``done()`` (within 60 s)."""
+        deadline = time.monotonic() + 60
+        while not done():
+            assert time.monotonic() < deadline, "not done within 60 s"
+            self.step({}, {})
+            time.sleep(0.001)  # a back-off between steps; the condition decides
+
+    def block(self, b: int) -> bytes:
+        return b"".join(
+            self.kv[n][:, b].contiguous().view(torch.uint8).numpy().tobytes() for n in LAYERS
+        )
+
+    def close(self) -> None:
+        self.sched.shutdown()
+        self.worker.shutdown()
+
+
+@pytest.fixture
+def make_engine(
+    make_vllm_config: Any, kv_cache_config: Any, tmp_path: Path
+) -> Iterator[Callable[..., Engine]]:
+    made: list[Engine] = []
+
+    def make(runtime: str = "stepped") -> Engine:
+        made.append(Engine(make_vllm_config, kv_cache_config, tmp_path / "disk", runtime))
+        return made[-1]
+
+    yield make
+    for e in made:
+        if e.worker.runtime is not None:
+            e.close()
+
+
+def store_and_write_down(e: Engine, req: Any, blocks: list[int]) -> list[bytes]:
+    """Run ``req``'s prompt (its chunks stored, then written down), then evict host memory."""
+    e.sched.on_new_request(req)
+    e.step({req.request_id: (blocks,)}, {req.request_id: req.num_tokens})
+    chunks = req.num_tokens // BLOCK
+    keys = [key(req, c) for c in range(chunks)]
+    e.run_until(lambda: bool(e.sched.disk.ready(keys).all()))
+    e.sched._ask(ClearAll)
+    assert e.sched._ask(GetStatistics).used == 0
+    return keys
+
+
+def load(e: Engine, req: Any, blocks: list[int], hit: int) -> None:
+    e.sched.on_new_request(req)
+    assert e.sched.get_num_new_matched_tokens(req, 0) == (hit, True)
+    e.sched.update_state_after_alloc(req, allocated(blocks), hit)
+    e.run_until(lambda: req.request_id in e.recving)
+
+
+@pytest.mark.parametrize("runtime", ["stepped", "thread"])
+def test_a_prompt_written_down_and_evicted_is_loaded_from_disk(
+    make_engine: Callable[..., Engine], runtime: str
+) -> None:
+    e = make_engine(runtime)
+    a, b = request("a", 3 * BLOCK + 8), request("b", 3 * BLOCK + 8)  # the same prompt
+    store_and_write_down(e, a, [1, 2, 3, 4])
+    for n in LAYERS:
+        e.kv[n][:, [9, 10, 11]] = 0
+    load(e, b, [9, 10, 11, 12], 3 * BLOCK)
+    assert e.load_errors == set()
+    assert [e.block(x) for x in (9, 10, 11)] == [e.block(x) for x in (1, 2, 3)]
+    stats = e.sched.statistics()
+    assert stats.loads_done == 1 and stats.disk_chunks_written == 3
+    assert stats.disk_read_bytes == 3 * SLOT_BYTES and stats.disk_reads_failed == 0
+    assert e.sched._ask(GetStatistics).ready == 3  # the chunks read are host hits again
+
+
+def test_a_chunk_damaged_on_disk_fails_the_load_and_leaves_the_tier(
+    make_engine: Callable[..., Engine],
+) -> None:
+    e = make_engine()
+    a, b = request("a", 3 * BLOCK + 8), request("b", 3 * BLOCK + 8)
+    keys = store_and_write_down(e, a, [1, 2, 3, 4])
+    path = e.worker.disk.path_of(keys[1])
+    with open(path, "r+b") as f:
+        f.seek(HEADER_SIZE + 7)
+        f.write(b"\x00\xff")
+    before = [e.block(x) for x in (9, 10, 11)]
+    load(e, b, [9, 10, 11, 12], 3 * BLOCK)
+    assert e.load_errors == {9, 10, 11}  # recomputed by vLLM
+    assert [e.block(x) for x in (9, 10, 11)] == before  # nothing copied
+    stats = e.sched.statistics()
+    assert stats.loads_failed == 1 and stats.disk_chunks_corrupt == 1
+    assert e.sched.disk.ready(keys).tolist() == [True, False, True]
+    assert not os.path.exists(path)
+
+
+def test_after_a_restart_the_files_are_hits_again(make_engine: Callable[..., Engine]) -> None:
+    first = make_engine()
+    a = request("a", 2 * BLOCK + 8)
+    store_and_write_down(first, a, [1, 2, 3])
+    written = [first.block(x) for x in (1, 2)]
+    first.close()
+
+    again = make_engine("thread")
+    assert again.worker.disk_scan.chunks == 2
+    b = request("b", 2 * BLOCK + 8)
+    load(again, b, [5, 6, 7], 2 * BLOCK)
+    assert again.load_errors == set()
+    assert [again.block(x) for x in (5, 6)] == written
