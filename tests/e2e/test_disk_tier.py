@@ -13,12 +13,16 @@ once: ~20 s each):
   C  another fingerprint (kvferry block_size 256) on the same path with a disk tier of
      room for DISK_C_CHUNKS chunks: never reads or touches A's files, evicts, stays
      correct;
-  -- A's files are damaged (and one of C's chunks copied into A's namespace) --
+  -- A's files are damaged: flipped bits, truncated, swapped between keys, a chunk of
+     C's copied under their names; and, a negative control, one document's payloads
+     replaced by other valid KV with a matching checksum --
   B  A's configuration again (a warm restart): the clean documents come from disk, the
-     damaged chunks are counted and never loaded, outputs stay equal.
+     damaged chunks are counted and never loaded, outputs stay equal; the forged
+     document loads (it verifies) and its outputs differ: the comparisons have teeth.
 
 Start errors (bad path, bad bytes_to_use, an unseeded xxhash block hash) run in one
-subprocess with vLLM's engine in-process (a failing start then costs ~1 s, not ~30 s).
+subprocess that imports vLLM once and starts each engine in-process in a forked child
+(a failing start then costs ~1 s, not ~30 s).
 """
 
 from __future__ import annotations
@@ -254,6 +258,7 @@ def other_run(tiny_model: Path, disk_path: Path, first_run: FirstRun) -> OtherRu
     assert first_run.namespace is not None
     a_name = first_run.namespace.name
     run = OtherRun(a_before=listing(disk_chunk_files(disk_path)[a_name]))
+    # Host memory for 4 chunks of 256 tokens (a document and a third).
     config = ferry_config(disk_path, host_blocks=4 * 2, bytes_to_use=DISK_C_CHUNKS * C_CHUNK_FILE)
     config["block_size"] = C_BLOCK
     llm = start(tiny_model, config)
@@ -294,15 +299,18 @@ class Damage:
     truncated: set[Path]
     swapped: set[Path]
     foreign: set[Path]
-    foreign_bytes: bytes
     damaged_docs: tuple[int, ...] = (0, 1, 2, 3, 4)
-    clean_docs: tuple[int, ...] = (5, P, Q)
+    clean_docs: tuple[int, ...] = (5, P)
+    forged_doc: int = Q
 
 
 @pytest.fixture(scope="module")
 def damage(first_run: FirstRun, other_run: OtherRun) -> Damage:
-    """Between runs: every chunk of documents 0-4 damaged, each document another way."""
-    from kvferry.tiers import HEADER_SIZE
+    """Between runs: every chunk of documents 0-4 damaged, each document another way;
+    Q's chunks forged (the negative control)."""
+    import xxhash
+
+    from kvferry.tiers import HEADER_SIZE, ChunkHeader, decode_header
 
     files = {d: sorted(first_run.files[d]) for d in ALL}
     assert all(len(f) == CHUNKS for f in files.values()), {d: len(f) for d, f in files.items()}
@@ -325,12 +333,22 @@ def damage(first_run: FirstRun, other_run: OtherRun) -> Damage:
     foreign = sorted(other_run.final)[0].read_bytes()
     for f in files[4]:
         f.write_bytes(foreign)
+    # Q: each payload replaced by one of P's (valid KV, of other tokens), the header
+    # rewritten to match: a chunk that verifies, with the wrong KV.
+    for f, donor in zip(files[Q], files[P], strict=True):
+        raw = f.read_bytes()
+        header = decode_header(raw[:HEADER_SIZE])
+        payload = donor.read_bytes()[HEADER_SIZE:]
+        forged = attrs.evolve(
+            header, payload_checksum=xxhash.xxh3_64_intdigest(payload[: header.payload_length])
+        )
+        assert isinstance(forged, ChunkHeader)
+        f.write_bytes(forged.encode() + payload)
     return Damage(
         flipped=set(files[0]),
         truncated=set(files[1]),
         swapped=set(files[2]) | set(files[3]),
         foreign=set(files[4]),
-        foreign_bytes=foreign,
     )
 
 
@@ -431,6 +449,16 @@ def test_warm_restart_serves_clean_documents_from_disk(
         assert asked.tokens == baseline[doc], doc
         assert asked.loaded == FULL_TOKENS, (doc, asked)
         assert asked.from_disk == FULL_TOKENS, (doc, asked)
+
+
+def test_negative_control_forged_chunks_load_and_change_outputs(
+    baseline: dict[int, list[int]], damage: Damage, restart: Restart
+) -> None:
+    """Chunks that verify but hold other KV are loaded (nothing else can tell), and the
+    outputs change: what the other tests compare would catch a wrong load."""
+    asked = restart.asked[damage.forged_doc]
+    assert asked.loaded == FULL_TOKENS and asked.from_disk == FULL_TOKENS, asked
+    assert asked.tokens != baseline[damage.forged_doc]
 
 
 @pytest.mark.parametrize(
