@@ -284,6 +284,9 @@ class _Job:
     disk_failed: npt.NDArray[np.int64] | None = None
     """Per disk chunk, on how many workers it failed (summed over the workers' reports)."""
     disk_write: bool = False
+    first_chunk: int | None = None
+    """A planned load: the first chunk it fills. Failed, its request stores from there
+    again once vLLM recomputed the blocks (a chunk that failed its read is nowhere now)."""
     event_keys: tuple[bytes, ...] = ()
     """A store's planned keys (a disk write's keys), retired from the block book (the
     complete KV events' facts) when it ends."""
@@ -652,6 +655,7 @@ class SchedulerSide:
             disk_keys=tuple(disk_keys),
             disk_host_slots=reserved,
             disk_slots=disk_lease[1] if disk_lease is not None else np.zeros(0, np.int64),
+            first_chunk=first_chunk,
         )
         for k in keys:
             self._loading[k] = self._loading.get(k, 0) + 1
@@ -1130,6 +1134,7 @@ class SchedulerSide:
         del self._expired[job.job_id]
         self._end_disk_reads(job)
         st = self._reqs.get(job.req_id)
+        self._store_again(st, job)
         if st is not None and st.load_job == job.job_id:
             st.load_job = None
 
@@ -1152,6 +1157,13 @@ class SchedulerSide:
         self.disk.unpin(job.disk_slots)
         if job.disk_failed is not None:
             self.disk.reads_ended(job.disk_keys, failed)
+
+    @staticmethod
+    def _store_again(st: _Req | None, job: _Job) -> None:
+        """A load failed: vLLM recomputes its blocks, and they are offered to the store
+        again (those still held are skipped as present)."""
+        if st is not None and job.first_chunk is not None:
+            st.stored_upto = min(st.stored_upto, job.first_chunk)
 
     def _write_through(self, job: _Job) -> None:
         """A store ended well on every worker: its blocks become host hits, and those the
@@ -1265,6 +1277,8 @@ class SchedulerSide:
                 self._c["loads_failed" if job.failed else "loads_done"] += 1
                 if not job.failed:
                     self._c["tokens_loaded"] += job.tokens
+                if job.failed:
+                    self._store_again(st, job)
                 if st is not None and st.load_job == job_id:
                     st.load_job = None
                     if not job.failed:

@@ -199,6 +199,11 @@ def test_a_chunk_that_failed_its_read_is_dropped_and_deleted(side: Any) -> None:
     assert host(side).ready == 1 and host(side).storing == 0  # the good one promoted
     assert side.build_connector_meta(step({}, {})).disk_deletes == [key(a, 1)]
     assert side.statistics().loads_failed == 1
+    # vLLM recomputes b's blocks: they are stored again (the chunk that failed its read
+    # is nowhere now; the one promoted to host memory is skipped as present).
+    meta = side.build_connector_meta(step({"b": ([5, 6, 7],)}, {"b": 2 * BLOCK + 8}))
+    [store] = meta.stores
+    assert [int(r) for r in store.copy.parts[0].device_blocks] == [6]
 
 
 def test_the_disk_tier_evicts_into_deletes_and_never_a_pinned_chunk(side_for: Any) -> None:
