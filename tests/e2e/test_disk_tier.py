@@ -493,12 +493,6 @@ def test_damaged_chunks_read_are_deleted_foreign_ones_left(
         assert f in restart.files and check_chunk(f, ours) in ("ok", "foreign"), f
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="connector: update_state_after_alloc sets the request's stored_upto to the "
-    "hit's end and a failed load does not lower it, so blocks recomputed after a failed "
-    "disk read are never stored (they left both tiers): the next request misses again",
-)
 def test_recomputed_documents_are_written_down_again(
     first_run: FirstRun, damage: Damage, restart: Restart
 ) -> None:
