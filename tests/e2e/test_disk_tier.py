@@ -364,7 +364,10 @@ def restart(tiny_model: Path, disk_path: Path, first_run: FirstRun, damage: Dama
     """Engine B: A's configuration on the damaged path (a warm restart)."""
     assert first_run.namespace is not None
     run = Restart()
-    llm = start(tiny_model, ferry_config(disk_path))
+    # Host room for a document read up from disk beside one whose blocks are still being
+    # written down (their host slots pinned until then): with less, a disk hit that finds
+    # no host slot is recomputed (disk_loads_unplanned; tests/connector/test_disk_scheduler).
+    llm = start(tiny_model, ferry_config(disk_path, host_blocks=2 * CHUNKS + 2))
     try:
         for doc in ALL:
             run.asked[doc] = ask(llm, doc)
