@@ -203,7 +203,8 @@ class SchedulerStatistics:
     disk_chunks_corrupt: int = 0
     disk_reads_failed: int = 0
     disk_writes_failed: int = 0
-    disk_loads_unplanned: int = 0
+    disk_hits_cut: int = 0
+    """Lookups whose disk hit was cut short: no host slot to read a chunk into."""
     disk: DirectoryStatistics | None = None
     """The disk tier's directory (None without a disk tier)."""
 
@@ -257,6 +258,10 @@ class _Req:
     """Offload keys of the request's chunks so far, all groups of a chunk together."""
     finished: bool = False
     tokens_loaded: int = 0
+
+
+_DiskLease = tuple[list[bytes], npt.NDArray[np.int64], npt.NDArray[np.int64]]
+"""(keys, their pins in the disk tier, the host slots reserved for them)."""
 
 
 @attrs.define
@@ -342,7 +347,7 @@ class SchedulerSide:
                 "disk_chunks_corrupt",
                 "disk_reads_failed",
                 "disk_writes_failed",
-                "disk_loads_unplanned",
+                "disk_hits_cut",
             ),
             0,
         )
@@ -375,8 +380,9 @@ class SchedulerSide:
         )
 
         self.disk: DiskTier | None = None
-        self._disk_leases: dict[str, tuple[list[bytes], npt.NDArray[np.int64]]] = {}
-        """Request -> the disk keys its last lookup leased (pinned), and their pins."""
+        self._disk_leases: dict[str, _DiskLease] = {}
+        """Request -> the disk part of its last lookup's hit: keys leased (pinned) in the
+        disk tier, and the host slots reserved to read them into."""
         self._pending_disk_writes: list[DiskWriteSpec] = []
         if cfg.tiers:
             check_hash_algo(vllm_config)
@@ -495,6 +501,21 @@ class SchedulerSide:
         else:
             hit_chunks = first + lease.leading // geo.num_groups
         asked = n_chunks * ct - num_computed_tokens
+        if (
+            self._loading
+            and hit_chunks > first
+            and any(k in self._loading for k in keys[: (hit_chunks - first) * geo.num_groups])
+        ):
+            # Another request is loading some of these blocks: once its load ended they
+            # are in the engine's own prefix cache, so wait for that instead of loading
+            # them twice (vLLM asks again next step).
+            st.lookup = st.counts = None
+            self._c["lookups_deferred"] += 1
+            self._unpin(lease.slots)
+            return None, False
+        disk_lease = None
+        if on_disk is not None and hit_chunks > first:
+            hit_chunks, disk_lease = self._reserve_disk_hit(keys, first, hit_chunks, ready, on_disk)
         new_tokens = hit_chunks * ct - num_computed_tokens
         self.trace.lookup(
             request.request_id,
@@ -509,30 +530,61 @@ class SchedulerSide:
         if new_tokens <= 0:
             st.lookup = None
             self._unpin(lease.slots)
+            self._unpin_disk(disk_lease)
             return 0, False
-        if self._loading and any(
-            k in self._loading for k in keys[: (hit_chunks - first) * geo.num_groups]
-        ):
-            # Another request is loading some of these blocks: once its load ended they
-            # are in the engine's own prefix cache, so wait for that instead of loading
-            # them twice (vLLM asks again next step).
-            st.lookup = st.counts = None
-            self._c["lookups_deferred"] += 1
-            self._unpin(lease.slots)
-            return None, False
         st.lookup = (num_computed_tokens, hit_chunks)
         if len(lease.slots):
             self._leases[request.request_id] = lease.slots
         st.disk_tokens = 0
-        if disk is not None and on_disk is not None:
-            n_hit = (hit_chunks - first) * geo.num_groups
-            in_hit = on_disk[:n_hit]
-            if in_hit.any():
-                # Leased like the host's hit: not evicted before the load pins it.
-                dkeys = [keys[i] for i in np.flatnonzero(in_hit).tolist()]
-                self._disk_leases[request.request_id] = (dkeys, disk.lease(dkeys))
-                st.disk_tokens = int(in_hit.reshape(-1, geo.num_groups).any(axis=1).sum()) * ct
+        if disk_lease is not None and on_disk is not None:
+            self._disk_leases[request.request_id] = disk_lease
+            in_hit = on_disk[: (hit_chunks - first) * geo.num_groups]
+            st.disk_tokens = int(in_hit.reshape(-1, geo.num_groups).any(axis=1).sum()) * ct
         return new_tokens, True
+
+    def _reserve_disk_hit(
+        self,
+        keys: list[bytes],
+        first: int,
+        hit_chunks: int,
+        ready: npt.NDArray[np.bool_],
+        on_disk: npt.NDArray[np.bool_],
+    ) -> tuple[int, _DiskLease | None]:
+        """The disk part of a hit: leased in the disk tier (not evicted before its load)
+        and host slots reserved for it now (STORING: the load reads into them, neither a
+        hit nor evictable meanwhile). The hit is cut before the first chunk no host slot
+        is left for: the hit announced can always be loaded. Returns the hit (chunks)."""
+        disk = self.disk
+        if disk is None:
+            return hit_chunks, None
+        geo = self.geometry
+        G = geo.num_groups
+        idx = np.flatnonzero(on_disk[: (hit_chunks - first) * G])
+        if not len(idx):
+            return hit_chunks, None
+        dkeys = [keys[i] for i in idx.tolist()]
+        reserved = self._ask(lambda r: PrepareStore(keys=tuple(dkeys), admit=False, reply=r))
+        self._dir_dirty = True
+        short = reserved < 0
+        if short.any():
+            cut = int(idx[int(np.argmax(short))]) // G  # chunks before the first one short
+            if geo.hybrid:
+                cut_ready = ready.copy()
+                cut_ready[cut * G :] = False
+                hit_chunks = first + windowed_hit(cut_ready.reshape(-1, G), geo.windows)
+            else:
+                hit_chunks = first + cut
+            self._c["disk_hits_cut"] += 1
+            keep = idx < (hit_chunks - first) * G
+            drop = reserved[~keep]
+            drop = drop[drop >= 0]
+            if len(drop):
+                self.directory_tell(CompleteStore(slots=drop, ok=False))
+            dkeys = [k for k, kept in zip(dkeys, keep.tolist(), strict=True) if kept]
+            reserved = reserved[keep]
+            if not dkeys:
+                return hit_chunks, None
+        return hit_chunks, (dkeys, disk.lease(dkeys), reserved)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -614,21 +666,13 @@ class SchedulerSide:
             self._fail_load(st, blocks, None, error, keys=len(keys))
             return
         reserved = np.zeros(0, np.int64)
-        if disk_keys:
-            reserved = self._ask(
-                lambda r: PrepareStore(keys=tuple(disk_keys), admit=False, reply=r)
-            )
-            if (reserved < 0).any():
-                # No host slot free for them (everything pinned or being stored), or
-                # another request stored some meanwhile: this load is not planned, vLLM
-                # recomputes (a later lookup finds the blocks wherever they are then).
-                self.directory_tell(CompleteStore(slots=reserved[reserved >= 0], ok=False))
-                self._unpin(found)
-                self._unpin_disk(disk_lease)
-                self._c["disk_loads_unplanned"] += 1
-                self._fail_load(st, blocks, None, "no host slot for its disk chunks")
-                return
-            self._dir_dirty = True
+        if disk_lease is not None:
+            # The host slots reserved at the lookup; those of chunks vLLM did not allocate
+            # (a sliding window's) are given back.
+            reserved_of = dict(zip(disk_lease[0], disk_lease[2].tolist(), strict=True))
+            reserved = np.array([reserved_of.pop(k) for k in disk_keys], np.int64)
+            if reserved_of:
+                self.directory_tell(CompleteStore(slots=list(reserved_of.values()), ok=False))
         job_id = self._new_job_id()
         both = np.empty(len(keys), np.int64)
         both[~dmask] = found
@@ -677,9 +721,13 @@ class SchedulerSide:
             )
         )
 
-    def _unpin_disk(self, disk_lease: tuple[list[bytes], npt.NDArray[np.int64]] | None) -> None:
-        if disk_lease is not None and self.disk is not None:
-            self.disk.unpin(disk_lease[1])
+    def _unpin_disk(self, disk_lease: _DiskLease | None) -> None:
+        """Release a disk lease: its pins in the disk tier, its reserved host slots."""
+        if disk_lease is None or self.disk is None:
+            return
+        self.disk.unpin(disk_lease[1])
+        if len(disk_lease[2]):
+            self.directory_tell(CompleteStore(slots=disk_lease[2], ok=False))
 
     def _fail_load(
         self,

@@ -222,24 +222,39 @@ def test_the_disk_tier_evicts_into_deletes_and_never_a_pinned_chunk(side_for: An
         side.disk.unpin(pins)
 
 
-def test_a_disk_hit_with_no_host_slot_free_is_recomputed(side_for: Any) -> None:
-    with side_for(host_slots=2) as side:
-        a = request("a", 2 * BLOCK + 8)
-        written(side, a, [1, 2, 3])
+def test_a_disk_hit_is_cut_to_the_host_slots_it_can_be_read_into(side_for: Any) -> None:
+    """Host slots for a disk hit are reserved by the lookup: the hit announced is only what
+    can be read up now, whatever vLLM does before it allocates."""
+    with side_for(host_slots=3) as side:
+        a = request("a", 3 * BLOCK + 8)
+        written(side, a, [1, 2, 3, 4])
         evict_host(side)
-        # Both host slots taken by stores in flight (STORING: never evicted).
+        # Two of the three host slots taken by stores in flight (STORING: never evicted).
         c = request("c", 2 * BLOCK + 8, seed=8)
-        store_request(side, c, [4, 5, 6])
-        b = request("b", 2 * BLOCK + 8)
+        store_request(side, c, [5, 6, 7])
+        b = request("b", 3 * BLOCK + 8)
         side.on_new_request(b)
+        assert side.get_num_new_matched_tokens(b, 0) == (BLOCK, True)  # one slot: one chunk
+        assert host(side).storing == 3 and side.disk.dir.statistics().pinned == 1
+        assert side.statistics().disk_hits_cut == 1
+        side.update_state_after_alloc(b, allocated([8, 9, 10, 11]), BLOCK)
+        [load] = side._pending_loads
+        assert load.disk_reads is not None and load.disk_reads.keys == [key(b, 0)]
+        assert [int(r) for r in load.copy.parts[0].host_rows] == load.disk_reads.slots.tolist()
+
+
+def test_a_disk_hit_never_allocated_gives_its_host_slots_back(side: Any) -> None:
+    a = request("a", 2 * BLOCK + 8)
+    written(side, a, [1, 2, 3])
+    evict_host(side)
+    b = request("b", 2 * BLOCK + 8)
+    side.on_new_request(b)
+    for _ in range(2):  # asked again: the first reservation is released, not stacked
         assert side.get_num_new_matched_tokens(b, 0) == (2 * BLOCK, True)
-        side.update_state_after_alloc(b, allocated([7, 8, 9]), 2 * BLOCK)
-        meta = side.build_connector_meta(step({}, {}))
-        [load] = [spec for spec in meta.loads if spec.req_id == "b"]
-        assert load.copy.job_id in meta.failed_load_job_ids  # its blocks are recomputed
-        assert load.disk_reads is None
-        assert side.statistics().disk_loads_unplanned == 1
-        assert side.disk.dir.statistics().pinned == 0
+        assert host(side).storing == 2 and side.disk.dir.statistics().pinned == 2
+    side.build_connector_meta(step({}, {}))  # the schedule pass ended without allocating
+    assert host(side).storing == 0 and host(side).used == 0
+    assert side.disk.dir.statistics().pinned == 0
 
 
 def test_a_load_past_its_deadline_keeps_its_disk_slots_reserved_until_reported(

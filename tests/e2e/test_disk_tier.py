@@ -365,8 +365,8 @@ def restart(tiny_model: Path, disk_path: Path, first_run: FirstRun, damage: Dama
     assert first_run.namespace is not None
     run = Restart()
     # Host room for a document read up from disk beside one whose blocks are still being
-    # written down (their host slots pinned until then): with less, a disk hit that finds
-    # no host slot is recomputed (disk_loads_unplanned; tests/connector/test_disk_scheduler).
+    # written down (their host slots pinned until then): with less, a disk hit is cut to
+    # the host slots free (disk_hits_cut; tests/connector/test_disk_scheduler.py).
     llm = start(tiny_model, ferry_config(disk_path, host_blocks=2 * CHUNKS + 2))
     try:
         for doc in ALL:
