@@ -183,16 +183,24 @@ def _lookup(k: bytes, r: Any) -> Any:
     return Lookup(keys=(k,), reply=r)
 
 
-def test_a_chunk_that_failed_its_read_is_dropped_and_deleted(side: Any) -> None:
+def disk_load(side: Any) -> Any:
+    """Request "a" written down and gone from host memory; "b" (its prompt) loaded from
+    disk: the load's spec, sent to the workers."""
     a = request("a", 2 * BLOCK + 8)
     written(side, a, [1, 2, 3])
     evict_host(side)
     b = request("b", 2 * BLOCK + 8)
     side.on_new_request(b)
-    side.get_num_new_matched_tokens(b, 0)
+    assert side.get_num_new_matched_tokens(b, 0) == (2 * BLOCK, True)
     side.update_state_after_alloc(b, allocated([5, 6, 7]), 2 * BLOCK)
     [load] = side._pending_loads
     side.build_connector_meta(step({}, {}))
+    return load
+
+
+def test_a_chunk_that_failed_its_read_is_dropped_and_deleted(side: Any) -> None:
+    load = disk_load(side)
+    a = request("a", 2 * BLOCK + 8)
     job = load.copy.job_id
     side.update_connector_output(reported({job: [1, 1]}, {job: [0, 1]}))  # chunk 1: corrupt
     assert side.disk.ready(_keys(a, 2)).tolist() == [True, False]
@@ -275,15 +283,7 @@ def test_a_load_past_its_deadline_keeps_its_disk_slots_reserved_until_reported(
         make_vllm_config(extra), kv_cache_config, FerryConfig.from_dict(extra), clock=lambda: now[0]
     )
     try:
-        a = request("a", 2 * BLOCK + 8)
-        written(side, a, [1, 2, 3])
-        evict_host(side)
-        b = request("b", 2 * BLOCK + 8)
-        side.on_new_request(b)
-        side.get_num_new_matched_tokens(b, 0)
-        side.update_state_after_alloc(b, allocated([5, 6, 7]), 2 * BLOCK)
-        [load] = side._pending_loads
-        side.build_connector_meta(step({}, {}))
+        load = disk_load(side)
         now[0] = 10.0
         meta = side.build_connector_meta(step({}, {}))
         assert meta.failed_load_job_ids == [load.copy.job_id]
