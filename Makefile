@@ -15,7 +15,14 @@ FLOOR_TESTS := tests/actors tests/cache tests/transfer tests/traces tests/tiers 
 	tests/test_ferry.py tests/test_private_api.py --ignore=tests/transfer/test_cuda_engine.py \
 	-k "not cuda-logic and not test_every_path_writes_the_same_host_rows"
 
-.PHONY: demo test lint test-main test-floor bench venv clean
+.PHONY: demo test lint test-main test-floor bench venv clean redis-server
+
+# The Redis tier's tests and benchmark start their own redis-server processes (Debian's
+# package, which brings redis-cli); installed here when missing (root, as in CI). The
+# service the package may start is not used.
+redis-server:
+	@command -v redis-server >/dev/null && command -v redis-cli >/dev/null || \
+		(apt-get update -qq && apt-get install -y -qq redis-server)
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -44,7 +51,7 @@ demo: $(STAMP)
 	$(VPY) examples/demo.py
 
 # Both suites run; either one failing fails `make test`.
-test: $(STAMP) $(FLOOR_STAMP)
+test: $(STAMP) $(FLOOR_STAMP) redis-server
 	@status=0; \
 	$(MAKE) --no-print-directory lint || status=1; \
 	$(MAKE) --no-print-directory test-main || status=1; \
@@ -62,7 +69,7 @@ test-main: $(STAMP)
 test-floor: $(FLOOR_STAMP)
 	$(FPY) -m pytest -q -p no:cacheprovider $(FLOOR_TESTS)
 
-bench: $(STAMP)
+bench: $(STAMP) redis-server
 	@for b in benchmarks/*.py; do echo "== $$b"; $(VPY) $$b || exit 1; done
 
 clean:

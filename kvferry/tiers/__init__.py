@@ -1,6 +1,8 @@
-"""Tiers below host memory: chunk format, the local disk store and its I/O actor.
+"""Tiers below host memory: chunk format, the local disk store, the shared Redis store,
+and their I/O actors.
 
-Driven by the connector (docs/architecture.md, "The disk tier").
+Driven by the connector (docs/architecture.md, "The disk tier"; docs/tiers.md for Redis).
+The Redis store imports the ``redis`` package only when one is made (``kvferry[redis]``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from ._actor import ReadChunks as ReadChunks
 from ._actor import ScanDisk as ScanDisk
 from ._actor import WriteChunks as WriteChunks
 from ._actor import keys_array as keys_array
+from ._breaker import BreakerStatistics as BreakerStatistics
+from ._breaker import CircuitBreaker as CircuitBreaker
 from ._disk import DiskStatistics as DiskStatistics
 from ._disk import DiskStore as DiskStore
 from ._disk import FileOps as FileOps
@@ -31,15 +35,23 @@ from ._format import ChunkForeign as ChunkForeign
 from ._format import ChunkHeader as ChunkHeader
 from ._format import Fingerprint as Fingerprint
 from ._format import decode_header as decode_header
+from ._redis import RedisStatistics as RedisStatistics
+from ._redis import RedisStore as RedisStore
+from ._redis_actor import GetRedisStatistics as GetRedisStatistics
+from ._redis_actor import RedisIOActor as RedisIOActor
+from ._redis_actor import RedisIOMsg as RedisIOMsg
+from ._redis_actor import RedisIOStatistics as RedisIOStatistics
 
 __all__ = [
     "ALIGNMENT",
     "FORMAT_VERSION",
     "HEADER_SIZE",
     "MAX_KEY_BYTES",
+    "BreakerStatistics",
     "ChunkCorrupt",
     "ChunkForeign",
     "ChunkHeader",
+    "CircuitBreaker",
     "DeleteChunks",
     "DiskIOActor",
     "DiskIOMsg",
@@ -50,9 +62,15 @@ __all__ = [
     "FileOps",
     "Fingerprint",
     "GetDiskStatistics",
+    "GetRedisStatistics",
     "Outcome",
     "PollDiskJobs",
     "ReadChunks",
+    "RedisIOActor",
+    "RedisIOMsg",
+    "RedisIOStatistics",
+    "RedisStatistics",
+    "RedisStore",
     "ScanDisk",
     "ScanReport",
     "WriteChunks",

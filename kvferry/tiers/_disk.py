@@ -112,6 +112,11 @@ class Outcome(enum.IntEnum):
     """Write: dropped before it started (the disk actor's write queue was full)."""
     ABORTED = 9
     """Not done: the disk actor stopped first."""
+    TIMEOUT = 10
+    """Read or write (a remote tier): no answer within the operation's timeout or the
+    job's deadline."""
+    UNAVAILABLE = 11
+    """Read or write (a remote tier): not sent, the circuit breaker is open."""
 
 
 _ERRNO_OUTCOME = {

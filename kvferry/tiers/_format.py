@@ -18,6 +18,11 @@ Header layout (little-endian), then zeros up to :data:`HEADER_SIZE`::
     key              key length bytes
     header checksum  u64  xxh3_64 of every header byte before it
 
+In a Redis value (:mod:`._redis`) the same header is *compact*: its ``header size``
+field is the header's own length (no zero padding; nothing there needs alignment), and
+the payload follows at once. :meth:`ChunkHeader.encode` and :func:`decode_header` spell
+both, one code path.
+
 Decoding checks, in this order, and names the first that fails (:class:`ChunkCorrupt`):
 ``magic``, ``version``, ``key`` (its length field out of range), ``header_checksum``,
 ``fingerprint`` (:class:`ChunkForeign`: a valid chunk of another engine), ``key`` (not
@@ -144,8 +149,9 @@ class ChunkHeader:
     payload_checksum: int
     version: int = FORMAT_VERSION
 
-    def encode(self) -> bytes:
-        """:data:`HEADER_SIZE` bytes (see the module docstring)."""
+    def encode(self, *, compact: bool = False) -> bytes:
+        """:data:`HEADER_SIZE` bytes (see the module docstring); ``compact``: only the
+        header's own bytes (:func:`compact_header_size`), as a Redis value holds it."""
         if not 0 < len(self.key) <= MAX_KEY_BYTES:
             raise ValueError(f"a key is 1 to {MAX_KEY_BYTES} bytes, got {len(self.key)}")
         if len(self.fingerprint) != 16:
@@ -155,7 +161,7 @@ class ChunkHeader:
                 MAGIC,
                 self.version,
                 0,
-                HEADER_SIZE,
+                compact_header_size(len(self.key)) if compact else HEADER_SIZE,
                 self.fingerprint,
                 self.payload_length,
                 self.payload_checksum,
@@ -164,7 +170,12 @@ class ChunkHeader:
             + self.key
         )
         body += _CHECK.pack(xxhash.xxh3_64_intdigest(body))
-        return body + bytes(HEADER_SIZE - len(body))
+        return body if compact else body + bytes(HEADER_SIZE - len(body))
+
+
+def compact_header_size(key_length: int) -> int:
+    """Bytes of a compact header (no padding) for a key of ``key_length`` bytes."""
+    return _FIXED.size + key_length + _CHECK.size
 
 
 def payload_checksum(payload: memoryview | bytes) -> int:
@@ -188,8 +199,10 @@ def decode_header(
     fingerprint: bytes | None = None,
     key: bytes | None = None,
     payload_length: int | None = None,
+    compact: bool = False,
 ) -> ChunkHeader:
-    """Decode and verify the first :data:`HEADER_SIZE` bytes of a chunk.
+    """Decode and verify the first :data:`HEADER_SIZE` bytes of a chunk (``compact``:
+    the first :func:`compact_header_size` bytes; the payload follows them).
 
     Checks ``fingerprint``, ``key`` and ``payload_length`` against the given values
     (None: not checked). Raises :class:`ChunkCorrupt` (or :class:`ChunkForeign`) naming
@@ -201,11 +214,13 @@ def decode_header(
     magic, version, _flags, header_size, fp, length, checksum, key_len = _FIXED.unpack_from(raw)
     if magic != MAGIC:
         raise ChunkCorrupt("magic", f"{magic!r}")
-    if version != FORMAT_VERSION or header_size != HEADER_SIZE:
+    if version != FORMAT_VERSION or (not compact and header_size != HEADER_SIZE):
         raise ChunkCorrupt("version", f"version {version} header size {header_size}")
     end = _FIXED.size + key_len
     if not 0 < key_len <= MAX_KEY_BYTES or end + _CHECK.size > len(raw):
         raise ChunkCorrupt("key", f"key length {key_len}")
+    if compact and header_size != compact_header_size(key_len):
+        raise ChunkCorrupt("version", f"version {version} header size {header_size}")
     (stored_check,) = _CHECK.unpack_from(raw, end)
     if xxhash.xxh3_64_intdigest(raw[:end]) != stored_check:
         raise ChunkCorrupt("header_checksum", "header bytes do not match their checksum")

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -8,6 +9,8 @@ import numpy.typing as npt
 import pytest
 
 from kvferry.tiers import DiskStore, Fingerprint
+
+from .redis_servers import RedisServer
 
 FP = Fingerprint(
     model="tiny-llama",
@@ -38,3 +41,19 @@ def make_store(tmp_path: Path) -> Any:
         return DiskStore(path, **kwargs)
 
     return make
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """One real redis-server for the module's tests (each test flushes it first)."""
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    """The module's server, emptied."""
+    redis_server.cli("flushall")
+    return redis_server.url

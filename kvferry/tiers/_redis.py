@@ -1,0 +1,569 @@
+"""RedisStore: chunks in a shared Redis (one server, or a Redis Cluster), verified on
+every read.
+
+Keys: ``kvferry:v{FORMAT_VERSION}:{fingerprint digest hex}:{key hex}``. Engines with
+another fingerprint (model, dtype, layout, block size, rank, hash algorithm) never see
+each other's chunks, and engines with the same one always do. On a cluster the keys
+spread over every slot (no hash tag): each operation is one pipeline of single-key
+commands, which the cluster client splits by node; no command spans two slots.
+
+Values describe themselves: the chunk header of :mod:`._format` in its compact spelling
+(no padding) followed by the payload. With ``encrypt_key``, the whole value (header and
+payload) is sealed with AES-GCM (``cryptography``), a fresh 12-byte nonce first, and the
+Redis key as associated data: a value that does not decrypt (tampered with, written
+under another key or with another key) is corrupt (field ``"auth"``).
+
+Every read verifies the header (magic, version, header checksum, fingerprint, key,
+length) and the payload's xxh3 checksum. A value that fails is a miss, counted by the
+check that failed, logged once per check, and deleted. Failures are misses, never errors
+the caller must handle: no answer within ``op_timeout_s`` is ``TIMEOUT``; a connection
+or server error is ``IO_ERROR`` (a write refused for ``maxmemory`` is ``FULL``); an
+open :class:`~._breaker.CircuitBreaker` sends nothing (``UNAVAILABLE``).
+
+Who owns what: a store lives on one asyncio event loop (the ``redis`` client's); its
+counters and breaker are touched only from that loop, so need no lock. The ``redis``
+package is imported when a store is made, never by ``import kvferry``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import urllib.parse
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from .._errors import ConfigError
+from .._logging import get_logger
+from ._breaker import BreakerStatistics, CircuitBreaker
+from ._disk import BufferLike, Outcome, _byte_view
+from ._format import (
+    FORMAT_VERSION,
+    MAX_KEY_BYTES,
+    ChunkCorrupt,
+    ChunkHeader,
+    Fingerprint,
+    compact_header_size,
+    decode_header,
+    payload_checksum,
+)
+
+_NONCE_BYTES = 12
+_TAG_BYTES = 16
+_SCHEMES = ("redis", "rediss")
+
+
+@attrs.frozen(kw_only=True)
+class RedisStatistics:
+    """A snapshot of a :class:`RedisStore`'s counters (bytes are payload bytes)."""
+
+    reads: int
+    """Chunks loaded and verified (hits)."""
+    bytes_read: int
+    read_seconds: float
+    """Wall time of the read operations (each a pipeline), summed."""
+    writes: int
+    bytes_written: int
+    write_seconds: float
+    absent: int
+    corrupt: int
+    corrupt_by_field: tuple[tuple[str, int], ...]
+    """Per failed check: ``magic``, ``version``, ``header_checksum``, ``fingerprint``,
+    ``key``, ``length``, ``checksum``, ``auth`` (did not decrypt)."""
+    writes_skipped: int
+    writes_skipped_by_outcome: tuple[tuple[str, int], ...]
+    """Stores not made, by :class:`Outcome` name (``UNAVAILABLE``: the breaker was open)."""
+    exists_checked: int
+    exists_found: int
+    deleted: int
+    timeouts: int
+    """Operations that got no answer within their timeout."""
+    errors: int
+    """Operations that failed on a connection or server error."""
+    breaker: BreakerStatistics
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password replaced by ``***`` (for errors and logs)."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        if parts.password is None:
+            return url
+        user = parts.username or ""
+        host = parts.hostname or ""
+        port = f":{parts.port}" if parts.port is not None else ""
+        return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))
+    except ValueError:
+        return "<a URL that does not parse; not shown, it may hold a password>"
+
+
+def _parse_url(url: object, key: str) -> urllib.parse.SplitResult:
+    if not isinstance(url, str):
+        raise ConfigError(key, f"a redis:// or rediss:// URL, got {type(url).__name__}")
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise ConfigError(key, f"{redact_url(url)} does not parse: {exc}") from None
+    if parts.scheme not in _SCHEMES or not parts.hostname:
+        raise ConfigError(
+            key, f"a redis://[user:password@]host[:port][/db] or rediss:// URL: {redact_url(url)}"
+        )
+    del port
+    return parts
+
+
+def _aead(encrypt_key: bytes | str | None, key: str) -> Any:
+    if encrypt_key is None:
+        return None
+    raw: bytes
+    if isinstance(encrypt_key, str):
+        try:
+            raw = bytes.fromhex(encrypt_key)
+        except ValueError:
+            raise ConfigError(key, "a hex string of 16, 24 or 32 bytes") from None
+    else:
+        raw = bytes(encrypt_key)
+    if len(raw) not in (16, 24, 32):
+        raise ConfigError(key, f"an AES key is 16, 24 or 32 bytes, got {len(raw)}")
+    try:
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+    except ImportError as exc:
+        raise ConfigError(
+            key, "needs the cryptography package: pip install 'kvferry[redis]'"
+        ) from exc
+    return AESGCM(raw)
+
+
+class RedisStore:
+    """Chunks of one engine (one :class:`Fingerprint`) in a Redis server or cluster.
+
+    Give ``url`` (``redis://[user:password@]host:port/db``, ``rediss://`` for TLS) or
+    ``cluster`` (a list of such URLs, any of the cluster's nodes; user, password and TLS
+    from the first). ``tier_index`` names the configuration keys in errors
+    (``tiers[i].url``, ``tiers[i].cluster``). ``ttl_s``: each chunk expires this long
+    after its write (None: never; the server's ``maxmemory`` policy still evicts).
+    ``op_timeout_s`` bounds every operation (connect, pipeline, probe);
+    ``connect_timeout_s`` the first connection (:meth:`connect`). ``breaker``: the
+    circuit breaker (a default one if None). ``max_connections``: the client's pool.
+
+    Call :meth:`connect` once (it raises :class:`~kvferry.ConfigError` when the server
+    cannot be reached or refuses the credentials), then the operations; :meth:`aclose`
+    at the end. Every operation is batched (one pipeline) and ends within its timeout.
+    """
+
+    def __init__(
+        self,
+        *,
+        fingerprint: Fingerprint,
+        url: str | None = None,
+        cluster: Sequence[str] | None = None,
+        tier_index: int = 0,
+        ttl_s: int | None = 24 * 3600,
+        op_timeout_s: float = 1.0,
+        connect_timeout_s: float = 5.0,
+        encrypt_key: bytes | str | None = None,
+        breaker: CircuitBreaker | None = None,
+        max_connections: int = 16,
+    ) -> None:
+        self._tier = f"tiers[{tier_index}]"
+        if (url is None) == (cluster is None):
+            raise ConfigError(f"{self._tier}.url", "give either url or cluster, not both")
+        bad_ttl = isinstance(ttl_s, bool) or not isinstance(ttl_s, int) or ttl_s < 1
+        if ttl_s is not None and bad_ttl:
+            raise ConfigError(f"{self._tier}.ttl_s", f"whole seconds >= 1 or None, got {ttl_s!r}")
+        if not op_timeout_s > 0 or not connect_timeout_s > 0:
+            raise ConfigError(f"{self._tier}.op_timeout_s", "timeouts must be > 0")
+        self.config_key = f"{self._tier}.url" if url is not None else f"{self._tier}.cluster"
+        urls: list[str]
+        if url is not None:
+            urls = [url]
+        elif isinstance(cluster, str) or not cluster:
+            raise ConfigError(self.config_key, "a non-empty list of redis:// URLs")
+        else:
+            urls = list(cluster)
+        parsed = [_parse_url(u, self.config_key) for u in urls]
+        self.is_cluster = cluster is not None
+        self.url = redact_url(urls[0]) if url is not None else ",".join(map(redact_url, urls))
+        self.fingerprint = fingerprint
+        self.ttl_s = ttl_s
+        self.op_timeout_s = op_timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.breaker = breaker or CircuitBreaker()
+        self._secrets = [p.password for p in parsed if p.password]
+        self._aead = _aead(encrypt_key, f"{self._tier}.encrypt_key")
+        self._prefix = f"kvferry:v{FORMAT_VERSION}:{fingerprint.digest.hex()}:".encode()
+        self._log = get_logger("kvferry.tiers", tier=tier_index, redis=self.url)
+        self._logged: set[str] = set()
+        self._client = self._make_client(urls, parsed, max_connections)
+        self._counts: dict[str, int] = dict.fromkeys(
+            (
+                "reads",
+                "bytes_read",
+                "writes",
+                "bytes_written",
+                "absent",
+                "exists_checked",
+                "exists_found",
+                "deleted",
+                "timeouts",
+                "errors",
+            ),
+            0,
+        )
+        self._seconds = {"read": 0.0, "write": 0.0}
+        self._corrupt: dict[str, int] = {}
+        self._skipped: dict[str, int] = {}
+
+    # ---------------------------------------------------------------- start, stop
+
+    def _make_client(
+        self, urls: list[str], parsed: list[urllib.parse.SplitResult], max_connections: int
+    ) -> Any:
+        # Imported here: `import kvferry` never needs the redis package.
+        try:
+            import redis.asyncio as aioredis
+            from redis.asyncio.cluster import ClusterNode, RedisCluster
+            from redis.backoff import NoBackoff
+            from redis.retry import Retry
+        except ImportError as exc:
+            raise ConfigError(
+                self.config_key, "needs the redis package: pip install 'kvferry[redis]'"
+            ) from exc
+        common: dict[str, Any] = {
+            "socket_timeout": self.op_timeout_s,
+            "socket_connect_timeout": self.connect_timeout_s,
+            # Retries are the breaker's business: a retry would outlast the timeout.
+            "retry": Retry(NoBackoff(), 0),
+            "max_connections": max_connections,
+        }
+        try:
+            if not self.is_cluster:
+                return aioredis.Redis.from_url(urls[0], **common)
+            first = parsed[0]
+            return RedisCluster(
+                startup_nodes=[ClusterNode(str(p.hostname), p.port or 6379) for p in parsed],
+                username=first.username,
+                password=first.password,
+                ssl=first.scheme == "rediss",
+                **common,
+            )
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(self.config_key, f"{self.url}: {self._scrub(exc)}") from None
+
+    async def connect(self) -> None:
+        """Reach the server (a PING; on a cluster, its slot map) within
+        ``connect_timeout_s``; a :class:`~kvferry.ConfigError` naming the tier's key if
+        it cannot (no server, wrong password, TLS refused)."""
+        error: str = "no answer"
+        with anyio.move_on_after(self.connect_timeout_s):
+            try:
+                if self.is_cluster:
+                    await self._client.initialize()
+                await self._client.ping()
+                self._log.info("redis_connected", cluster=self.is_cluster, ttl_s=self.ttl_s)
+                return
+            except Exception as exc:  # any failure to reach it is the configuration's
+                error = self._scrub(exc)
+        raise ConfigError(
+            self.config_key,
+            f"cannot reach {self.url} within {self.connect_timeout_s} s: {error}",
+        )
+
+    async def aclose(self) -> None:
+        """Close the client's connections."""
+        with anyio.move_on_after(self.op_timeout_s):
+            await self._client.aclose()
+
+    async def __aenter__(self) -> RedisStore:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    def _scrub(self, exc: BaseException | str) -> str:
+        """An error's text without any password of the configuration."""
+        text = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
+
+    # ---------------------------------------------------------------- keys
+
+    def redis_key(self, key: bytes) -> bytes:
+        """The Redis key of chunk ``key`` (see the module docstring)."""
+        if not 0 < len(key) <= MAX_KEY_BYTES:
+            raise ValueError(f"a key is 1 to {MAX_KEY_BYTES} bytes, got {len(key)}")
+        return self._prefix + key.hex().encode()
+
+    def encode_value(self, key: bytes, payload: BufferLike) -> bytes:
+        """The value stored for ``key``: compact header + payload (sealed with
+        ``encrypt_key`` if given)."""
+        body = _byte_view(payload, writable=False)
+        header = ChunkHeader(
+            fingerprint=self.fingerprint.digest,
+            key=key,
+            payload_length=len(body),
+            payload_checksum=payload_checksum(body),
+        ).encode(compact=True)
+        value = b"".join((header, body))
+        if self._aead is None:
+            return value
+        nonce = os.urandom(_NONCE_BYTES)
+        return nonce + bytes(self._aead.encrypt(nonce, value, self.redis_key(key)))
+
+    def _decode_into(self, key: bytes, rkey: bytes, value: bytes, into: memoryview) -> None:
+        """Verify ``value`` as ``key``'s chunk and copy its payload into ``into``, or
+        raise :class:`ChunkCorrupt` (field ``"auth"``: it did not decrypt)."""
+        if self._aead is not None:
+            from cryptography.exceptions import InvalidTag
+
+            if len(value) < _NONCE_BYTES + _TAG_BYTES:
+                raise ChunkCorrupt("length", f"sealed value of {len(value)} bytes")
+            try:
+                value = self._aead.decrypt(value[:_NONCE_BYTES], value[_NONCE_BYTES:], rkey)
+            except InvalidTag:
+                raise _AuthFailed() from None
+        n = len(into)
+        header = decode_header(
+            value, fingerprint=self.fingerprint.digest, key=key, payload_length=n, compact=True
+        )
+        start = compact_header_size(len(key))
+        if len(value) != start + n:
+            raise ChunkCorrupt("length", f"value of {len(value)} bytes, {start + n} expected")
+        payload = memoryview(value)[start:]
+        if payload_checksum(payload) != header.payload_checksum:
+            raise ChunkCorrupt("checksum", "payload bytes do not match their checksum")
+        into[:] = payload
+
+    # ---------------------------------------------------------------- operations
+
+    async def _pipeline(
+        self, op: str, commands: list[tuple[Any, ...]], timeout_s: float | None
+    ) -> list[Any] | Outcome:
+        """Run ``commands`` as one pipeline through the breaker: the replies (an
+        exception per command that failed on the server), or the :class:`Outcome` of
+        every command when none got an answer."""
+        if not commands:
+            return []
+        admission = self.breaker.begin()
+        if admission == "reject":
+            return Outcome.UNAVAILABLE
+        timeout = self.op_timeout_s if timeout_s is None else min(timeout_s, self.op_timeout_s)
+        if admission == "probe":
+            ok = await self._probe(timeout)
+            self.breaker.probed(ok)
+            if not ok:
+                return Outcome.UNAVAILABLE
+            self._log.info("redis_breaker_closed")
+        failure: Outcome = Outcome.TIMEOUT
+        with anyio.move_on_after(timeout):
+            try:
+                pipe = self._client.pipeline(transaction=False)
+                for cmd in commands:
+                    pipe.execute_command(*cmd)
+                replies: list[Any] = await pipe.execute(raise_on_error=False)
+            except Exception as exc:  # connection refused, reset, cluster down...
+                failure = Outcome.IO_ERROR
+                self._log_once(f"error:{op}", "redis_op_failed", op=op, error=self._scrub(exc))
+            else:
+                self.breaker.succeeded()
+                return replies
+        if failure == Outcome.TIMEOUT:
+            self._counts["timeouts"] += 1
+            self._log_once(f"timeout:{op}", "redis_op_timed_out", op=op, timeout_s=timeout)
+        else:
+            self._counts["errors"] += 1
+        was = self.breaker.state
+        self.breaker.failed()
+        if was == "closed" and self.breaker.state == "open":
+            self._log.warning(
+                "redis_breaker_opened",
+                failures=self.breaker.threshold,
+                cooldown_s=self.breaker.cooldown_s,
+            )
+        return failure
+
+    async def _probe(self, limit_s: float) -> bool:
+        with anyio.move_on_after(limit_s):
+            try:
+                await self._client.ping()
+                return True
+            except Exception:
+                return False
+        return False
+
+    async def exists(
+        self, keys: Sequence[bytes], *, timeout_s: float | None = None
+    ) -> npt.NDArray[np.bool_]:
+        """Which of ``keys`` the store holds now (one pipeline of EXISTS). A key it
+        cannot answer for (timeout, error, breaker open) is False: a miss."""
+        found = np.zeros(len(keys), dtype=np.bool_)
+        replies = await self._pipeline(
+            "exists", [("EXISTS", self.redis_key(k)) for k in keys], timeout_s
+        )
+        if isinstance(replies, Outcome):
+            return found
+        for i, r in enumerate(replies):
+            found[i] = isinstance(r, int) and r > 0
+        self._counts["exists_checked"] += len(keys)
+        self._counts["exists_found"] += int(found.sum())
+        return found
+
+    async def write(
+        self,
+        keys: Sequence[bytes],
+        payloads: Sequence[BufferLike],
+        *,
+        timeout_s: float | None = None,
+    ) -> npt.NDArray[np.int8]:
+        """Store ``payloads[i]`` as ``keys[i]``'s chunk (SET with EX ``ttl_s``; replaces
+        any), all in one pipeline. One :class:`Outcome` per chunk: ``OK``, or why it was
+        skipped (``FULL``: the server's ``maxmemory``; ``IO_ERROR``; ``TIMEOUT``;
+        ``UNAVAILABLE``). A skipped store is only a future miss."""
+        if len(keys) != len(payloads):
+            raise ValueError(f"{len(keys)} keys for {len(payloads)} payloads")
+        start = time.perf_counter()
+        values = [self.encode_value(k, p) for k, p in zip(keys, payloads, strict=True)]
+        ttl: tuple[Any, ...] = ("EX", self.ttl_s) if self.ttl_s is not None else ()
+        replies = await self._pipeline(
+            "write",
+            [("SET", self.redis_key(k), v, *ttl) for k, v in zip(keys, values, strict=True)],
+            timeout_s,
+        )
+        outcomes = np.full(len(keys), Outcome.OK, dtype=np.int8)
+        if isinstance(replies, Outcome):
+            outcomes[:] = replies
+        else:
+            for i, r in enumerate(replies):
+                if isinstance(r, Exception):
+                    # maxmemory reached (with a policy that does not evict, or nothing
+                    # left to evict): redis-py's OutOfMemoryError, "OOM ..." on the wire.
+                    full = type(r).__name__ == "OutOfMemoryError" or str(r).startswith("OOM")
+                    outcomes[i] = Outcome.FULL if full else Outcome.IO_ERROR
+                    self._log_once(
+                        f"write:{outcomes[i]}", "redis_store_refused", error=self._scrub(r)
+                    )
+        ok = outcomes == Outcome.OK
+        self._counts["writes"] += int(ok.sum())
+        self._counts["bytes_written"] += sum(
+            len(_byte_view(p, writable=False)) for p, good in zip(payloads, ok, strict=True) if good
+        )
+        self._seconds["write"] += time.perf_counter() - start
+        for o in outcomes[~ok]:
+            name = Outcome(int(o)).name
+            self._skipped[name] = self._skipped.get(name, 0) + 1
+        return outcomes
+
+    async def read(
+        self, keys: Sequence[bytes], into: Sequence[BufferLike], *, timeout_s: float | None = None
+    ) -> npt.NDArray[np.int8]:
+        """Load ``keys[i]``'s chunk into ``into[i]`` (writable, contiguous, exactly the
+        chunk's length), all in one pipeline, and verify each. One :class:`Outcome` per
+        chunk: ``OK`` only when every check passed; else ``ABSENT``, ``CORRUPT``
+        (counted by field, deleted), ``TIMEOUT``, ``IO_ERROR``, ``UNAVAILABLE``. After a
+        miss ``into[i]`` holds nothing valid."""
+        if len(keys) != len(into):
+            raise ValueError(f"{len(keys)} keys for {len(into)} buffers")
+        start = time.perf_counter()
+        views = [_byte_view(b, writable=True) for b in into]
+        rkeys = [self.redis_key(k) for k in keys]
+        replies = await self._pipeline("read", [("GET", rk) for rk in rkeys], timeout_s)
+        outcomes = np.full(len(keys), Outcome.OK, dtype=np.int8)
+        if isinstance(replies, Outcome):
+            outcomes[:] = replies
+            return outcomes
+        corrupt: list[bytes] = []
+        for i, value in enumerate(replies):
+            if value is None:
+                outcomes[i] = Outcome.ABSENT
+                self._counts["absent"] += 1
+                continue
+            if isinstance(value, Exception) or not isinstance(value, bytes):
+                outcomes[i] = Outcome.IO_ERROR
+                self._log_once("read:reply", "redis_read_failed", error=self._scrub(str(value)))
+                continue
+            try:
+                self._decode_into(keys[i], rkeys[i], value, views[i])
+            except ChunkCorrupt as exc:
+                field = "auth" if isinstance(exc, _AuthFailed) else exc.field
+                self._corrupt[field] = self._corrupt.get(field, 0) + 1
+                self._log_once(
+                    f"corrupt:{field}", "redis_chunk_corrupt", key=keys[i].hex(), error=str(exc)
+                )
+                outcomes[i] = Outcome.CORRUPT
+                corrupt.append(rkeys[i])
+                continue
+            self._counts["reads"] += 1
+            self._counts["bytes_read"] += len(views[i])
+        self._seconds["read"] += time.perf_counter() - start
+        if corrupt:
+            # Deleted so that no engine trips over it again (and the key is free for a
+            # good write), within what is left of the read's time; a failure here only
+            # leaves it for the next reader.
+            left = (self.op_timeout_s if timeout_s is None else timeout_s) - (
+                time.perf_counter() - start
+            )
+            replies = await self._pipeline(
+                "delete", [("DEL", rk) for rk in corrupt], max(left, 1e-3)
+            )
+            if not isinstance(replies, Outcome):
+                self._counts["deleted"] += sum(r for r in replies if isinstance(r, int))
+        return outcomes
+
+    async def delete(self, keys: Sequence[bytes], *, timeout_s: float | None = None) -> int:
+        """Remove the chunks of ``keys`` (one pipeline of DEL); how many were there (0
+        when the store could not be reached: they expire by ``ttl_s`` or the server's
+        eviction anyway)."""
+        replies = await self._pipeline(
+            "delete", [("DEL", self.redis_key(k)) for k in keys], timeout_s
+        )
+        if isinstance(replies, Outcome):
+            return 0
+        deleted = sum(r for r in replies if isinstance(r, int))
+        self._counts["deleted"] += deleted
+        return deleted
+
+    # ---------------------------------------------------------------- state
+
+    def _log_once(self, kind: str, event: str, **fields: Any) -> None:
+        if kind in self._logged:
+            self._log.debug(event, **fields)
+            return
+        self._logged.add(kind)
+        self._log.warning(event, **fields, note="logged once; later ones are counted")
+
+    def statistics(self) -> RedisStatistics:
+        c = self._counts
+        return RedisStatistics(
+            reads=c["reads"],
+            bytes_read=c["bytes_read"],
+            read_seconds=self._seconds["read"],
+            writes=c["writes"],
+            bytes_written=c["bytes_written"],
+            write_seconds=self._seconds["write"],
+            absent=c["absent"],
+            corrupt=sum(self._corrupt.values()),
+            corrupt_by_field=tuple(sorted(self._corrupt.items())),
+            writes_skipped=sum(self._skipped.values()),
+            writes_skipped_by_outcome=tuple(sorted(self._skipped.items())),
+            exists_checked=c["exists_checked"],
+            exists_found=c["exists_found"],
+            deleted=c["deleted"],
+            timeouts=c["timeouts"],
+            errors=c["errors"],
+            breaker=self.breaker.statistics(),
+        )
+
+
+class _AuthFailed(ChunkCorrupt):
+    """A sealed value that did not decrypt (counted as field ``"auth"``)."""
+
+    def __init__(self) -> None:
+        super().__init__("checksum", "the value does not decrypt with this key and Redis key")
