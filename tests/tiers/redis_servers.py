@@ -18,11 +18,25 @@ from pathlib import Path
 START_TIMEOUT_S = 20.0
 
 
-def free_port() -> int:
-    """A loopback port nobody listens on now (the kernel's pick)."""
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(*, cluster: bool = False) -> int:
+    """A loopback port nobody listens on now (the kernel's pick). ``cluster``: one whose
+    cluster bus port (+10000) is free too, so at most 55535."""
+    for _ in range(1000):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if not cluster or (port <= 55535 and _bindable(port + 10000)):
+            return port
+    raise RuntimeError("no free loopback port for a cluster node")
 
 
 def redis_available() -> bool:
@@ -55,7 +69,7 @@ class RedisServer:
         extra: tuple[str, ...] = (),
     ) -> None:
         self.directory = directory
-        self.port = port or free_port()
+        self.port = port or free_port(cluster="--cluster-enabled" in extra)
         self.password = password
         self.extra = extra
         self.proc: subprocess.Popen[bytes] | None = None
