@@ -56,6 +56,8 @@ from ._format import (
 _NONCE_BYTES = 12
 _TAG_BYTES = 16
 _SCHEMES = ("redis", "rediss")
+_FREE_BUFFERS = 8
+"""Write buffers kept for reuse (one per write in flight: the actor's ``io_depth``)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -219,6 +221,7 @@ class RedisStore:
         self._seconds = {"read": 0.0, "write": 0.0}
         self._corrupt: dict[str, int] = {}
         self._skipped: dict[str, int] = {}
+        self._free: list[bytearray] = []
 
     # ---------------------------------------------------------------- start, stop
 
@@ -287,6 +290,12 @@ class RedisStore:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
+    @property
+    def client(self) -> Any:
+        """The ``redis`` client underneath (``redis.asyncio.Redis`` or ``RedisCluster``),
+        for diagnostics and benchmarks; operations go through the store."""
+        return self._client
+
     def _scrub(self, exc: BaseException | str) -> str:
         """An error's text without any password of the configuration."""
         text = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
@@ -302,21 +311,58 @@ class RedisStore:
             raise ValueError(f"a key is 1 to {MAX_KEY_BYTES} bytes, got {len(key)}")
         return self._prefix + key.hex().encode()
 
-    def encode_value(self, key: bytes, payload: BufferLike) -> bytes:
-        """The value stored for ``key``: compact header + payload (sealed with
-        ``encrypt_key`` if given)."""
-        body = _byte_view(payload, writable=False)
-        header = ChunkHeader(
+    def _header(self, key: bytes, body: memoryview) -> bytes:
+        return ChunkHeader(
             fingerprint=self.fingerprint.digest,
             key=key,
             payload_length=len(body),
             payload_checksum=payload_checksum(body),
         ).encode(compact=True)
-        value = b"".join((header, body))
+
+    def encode_value(self, key: bytes, payload: BufferLike) -> bytes:
+        """The value stored for ``key``: compact header + payload (sealed with
+        ``encrypt_key`` if given)."""
+        body = _byte_view(payload, writable=False)
+        value = b"".join((self._header(key, body), body))
         if self._aead is None:
             return value
         nonce = os.urandom(_NONCE_BYTES)
         return nonce + bytes(self._aead.encrypt(nonce, value, self.redis_key(key)))
+
+    def _encode_batch(
+        self, keys: Sequence[bytes], payloads: Sequence[BufferLike]
+    ) -> tuple[list[bytes | memoryview], bytearray | None]:
+        """The values of a write, and the buffer they lie in (give it back with
+        :meth:`_give_back` once the pipeline ended). Unsealed values are built in a
+        reused buffer and sent as views of it: a fresh bytes object per value would cost
+        the machine a page fault per 4 KiB touched (measured: writes of 256 KiB chunks
+        at half the raw SET rate)."""
+        if self._aead is not None:
+            return [self.encode_value(k, p) for k, p in zip(keys, payloads, strict=True)], None
+        bodies = [_byte_view(p, writable=False) for p in payloads]
+        headers = [self._header(k, b) for k, b in zip(keys, bodies, strict=True)]
+        total = sum(len(h) + len(b) for h, b in zip(headers, bodies, strict=True))
+        buf = next((b for b in self._free if len(b) >= total), None)
+        if buf is None:
+            buf = bytearray(total)
+        else:
+            self._free.remove(buf)
+        view = memoryview(buf)
+        values: list[bytes | memoryview] = []
+        at = 0
+        for header, body in zip(headers, bodies, strict=True):
+            end = at + len(header) + len(body)
+            view[at : at + len(header)] = header
+            view[at + len(header) : end] = body
+            values.append(view[at:end])
+            at = end
+        return values, buf
+
+    def _give_back(self, buf: bytearray | None) -> None:
+        # The pipeline ended (answered, failed or cancelled): the client holds no view
+        # of the buffer any more (the transport copies what it could not send at once).
+        if buf is not None and len(self._free) < _FREE_BUFFERS:
+            self._free.append(buf)
 
     def _decode_into(self, key: bytes, rkey: bytes, value: bytes, into: memoryview) -> None:
         """Verify ``value`` as ``key``'s chunk and copy its payload into ``into``, or
@@ -430,13 +476,17 @@ class RedisStore:
         if len(keys) != len(payloads):
             raise ValueError(f"{len(keys)} keys for {len(payloads)} payloads")
         start = time.perf_counter()
-        values = [self.encode_value(k, p) for k, p in zip(keys, payloads, strict=True)]
+        values, buf = self._encode_batch(keys, payloads)
         ttl: tuple[Any, ...] = ("EX", self.ttl_s) if self.ttl_s is not None else ()
-        replies = await self._pipeline(
-            "write",
-            [("SET", self.redis_key(k), v, *ttl) for k, v in zip(keys, values, strict=True)],
-            timeout_s,
-        )
+        try:
+            replies = await self._pipeline(
+                "write",
+                [("SET", self.redis_key(k), v, *ttl) for k, v in zip(keys, values, strict=True)],
+                timeout_s,
+            )
+        finally:
+            del values
+            self._give_back(buf)
         outcomes = np.full(len(keys), Outcome.OK, dtype=np.int8)
         if isinstance(replies, Outcome):
             outcomes[:] = replies
