@@ -60,6 +60,10 @@ def _positive_float(key: str, value: Any) -> float:
     return float(value)
 
 
+ON_EVICT_WATERMARKS = (0.9, 0.95)
+"""``eviction_watermarks`` unless set, with a tier written on eviction (``on_evict``)."""
+
+
 @attrs.frozen(kw_only=True)
 class DiskTierConfig:
     """One ``{"kind": "disk", ...}`` entry of ``tiers``: a local directory of chunk files."""
@@ -69,8 +73,11 @@ class DiskTierConfig:
     path: str
     bytes_to_use: int
     """Bytes of files for the tier, in total across all workers of the engine."""
-    write: Literal["through"] = "through"
-    """"through": every block stored to host memory is written down in the background."""
+    write: Literal["through", "on_evict"] = "through"
+    """"through": every block stored to host memory is written down in the background;
+    "on_evict": a block is written down when host memory evicts it (its host slot is
+    freed once the write ended), so blocks re-used while in host memory never reach
+    the disk."""
     eviction_policy: str = "lru"
     store_threshold: int = 1
     """Write a block only once it was offered this many times (limits an SSD's wear)."""
@@ -129,10 +136,8 @@ def parse_tiers(value: Any) -> tuple[DiskTierConfig, ...]:
             raise ConfigError(f"{name}.bytes_to_use", "is required (bytes of files to use)")
         size = _positive_int(f"{name}.bytes_to_use", entry["bytes_to_use"])
         write = entry.get("write", "through")
-        if write == "on_evict":
-            raise ConfigError(f"{name}.write", "'on_evict' is not available yet; use 'through'")
-        if write != "through":
-            raise ConfigError(f"{name}.write", f"must be 'through', got {write!r}")
+        if write not in ("through", "on_evict"):
+            raise ConfigError(f"{name}.write", f"must be 'through' or 'on_evict', got {write!r}")
         policy = entry.get("eviction_policy", "lru")
         if not isinstance(policy, str):
             raise ConfigError(
@@ -260,7 +265,12 @@ class FerryConfig:
                 "eviction_policy", f"must be a name or an import path, got {policy!r}"
             )
         make_policy(policy, 1)  # raises a ConfigError naming eviction_policy
-        watermarks = check_watermarks(extra.get("eviction_watermarks", (1.0, 1.0)))
+        tiers = parse_tiers(extra.get("tiers", ()))
+        # Written down on eviction, an evicted block frees its host slot only once its
+        # write ended: the evictor keeps room free ahead of the stores that need it.
+        on_evict = any(t.write == "on_evict" for t in tiers)
+        default_marks = ON_EVICT_WATERMARKS if on_evict else (1.0, 1.0)
+        watermarks = check_watermarks(extra.get("eviction_watermarks", default_marks))
         threshold = check_store_threshold(extra.get("store_threshold", 1))
         tracker = _positive_int(
             "store_threshold_tracker_size", extra.get("store_threshold_tracker_size", 64_000)
@@ -275,7 +285,6 @@ class FerryConfig:
             if not isinstance(traces, Mapping):
                 raise ConfigError("traces", f"must be a dict of trace settings, got {traces!r}")
             resolve_config(traces)  # raises a ConfigError naming the bad traces.<key>
-        tiers = parse_tiers(extra.get("tiers", ()))
         return cls(
             tiers=tiers,
             cpu_bytes_to_use=cpu_bytes,

@@ -27,8 +27,10 @@ from ._messages import AttachEvictor as AttachEvictor
 from ._messages import ClearAll as ClearAll
 from ._messages import CompleteLoad as CompleteLoad
 from ._messages import CompleteStore as CompleteStore
+from ._messages import Demotions as Demotions
 from ._messages import DirectoryMsg as DirectoryMsg
 from ._messages import Drain as Drain
+from ._messages import EndDemotions as EndDemotions
 from ._messages import EvictorMsg as EvictorMsg
 from ._messages import EvictSome as EvictSome
 from ._messages import GetStatistics as GetStatistics
@@ -42,6 +44,7 @@ from ._messages import Publish as Publish
 from ._messages import PublisherMsg as PublisherMsg
 from ._messages import ResetCache as ResetCache
 from ._messages import RoomLow as RoomLow
+from ._messages import TakeDemotions as TakeDemotions
 from ._messages import TakeEvents as TakeEvents
 from ._messages import Touch as Touch
 from ._messages import Unpin as Unpin
@@ -67,7 +70,9 @@ __all__ = [
     "DirectoryActor",
     "DirectoryMsg",
     "DirectoryStatistics",
+    "Demotions",
     "Drain",
+    "EndDemotions",
     "EventBuffer",
     "EvictSome",
     "EvictionPolicy",
@@ -90,6 +95,7 @@ __all__ = [
     "ResetCache",
     "RoomLow",
     "S3FIFOPolicy",
+    "TakeDemotions",
     "TakeEvents",
     "Touch",
     "Unpin",

@@ -37,8 +37,10 @@ from ._messages import (
     ClearAll,
     CompleteLoad,
     CompleteStore,
+    Demotions,
     DirectoryMsg,
     Drain,
+    EndDemotions,
     EvictorMsg,
     EvictSome,
     GetStatistics,
@@ -52,6 +54,7 @@ from ._messages import (
     PublisherMsg,
     ResetCache,
     RoomLow,
+    TakeDemotions,
     TakeEvents,
     Touch,
     Unpin,
@@ -73,6 +76,7 @@ class DirectoryActor(Actor[DirectoryMsg]):
         store_threshold: int = 1,
         tracker_size: int = 64_000,
         publisher: ActorRef[PublisherMsg] | None = None,
+        write_back: bool = False,
     ) -> None:
         self.directory = Directory(
             num_slots,
@@ -81,6 +85,7 @@ class DirectoryActor(Actor[DirectoryMsg]):
             store_threshold=store_threshold,
             tracker_size=tracker_size,
             events=publisher is not None,
+            write_back=write_back,
         )
         self._publisher = publisher
         self._evictor: ActorRef[EvictorMsg] | None = None
@@ -121,6 +126,12 @@ class DirectoryActor(Actor[DirectoryMsg]):
                 reply.set(d.reset())
             case EvictSome(max_blocks=max_blocks, reply=reply):
                 reply.set(d.evict(max_blocks))
+            case TakeDemotions(reply=reply):
+                taken, demoted = d.take_demotions()
+                reply.set(Demotions(slots=taken, keys=tuple(demoted)))
+            case EndDemotions(slots=slots):
+                d.end_demotions(slots)
+                self._check_room()
             case TakeEvents(reply=reply):
                 reply.set(await self._take_events())
                 return
@@ -242,6 +253,7 @@ async def spawn_host_tier(
     events: bool = False,
     evict_batch: int | None = None,
     prefix: str = "",
+    write_back: bool = False,
 ) -> HostTier:
     """Spawn publisher (if ``events``), directory and evictor, wired; actors are named
     ``{prefix}kv-events``, ``{prefix}directory`` and ``{prefix}evictor``.
@@ -257,6 +269,7 @@ async def spawn_host_tier(
             store_threshold=store_threshold,
             tracker_size=tracker_size,
             publisher=publisher,
+            write_back=write_back,
         ),
         name=f"{prefix}directory",
     )

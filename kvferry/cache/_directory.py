@@ -3,7 +3,11 @@
 A slot is FREE, STORING (a store was prepared and has not completed: never a lookup hit,
 never evicted) or READY (readable); a READY slot may be pinned by loads and lookups' leases
 (a count). After a reset, slots still in flight are *dropped*: invisible at once, freed
-when their store completes or their last load ends. The invariants the tests hold
+when their store completes or their last load ends. With ``write_back`` (a lower tier
+written on eviction), an evicted slot is DEMOTING instead of FREE: no longer a hit, its
+key still present (not stored again meanwhile), its bytes kept until the caller, who
+took it with :meth:`Directory.take_demotions` and wrote it down (or chose not to), ends
+it with :meth:`Directory.end_demotions`. The invariants the tests hold
 (docs/architecture.md, "Invariants and where they are held"):
 
 1. a lookup hit is only a key whose store completed with ``ok``;
@@ -50,7 +54,7 @@ from ._table import tags_of
 
 I64 = npt.NDArray[np.int64]
 
-FREE, STORING, READY, STORING_DROPPED, READY_DROPPED = 0, 1, 2, 3, 4
+FREE, STORING, READY, STORING_DROPPED, READY_DROPPED, DEMOTING = 0, 1, 2, 3, 4, 5
 
 Key = bytes
 
@@ -67,7 +71,8 @@ class Directory:
     brings it down to low (``(1.0, 1.0)``: evict only what a store needs, inline).
     ``store_threshold``: store a key only at its N-th offer (1: always), counted over the
     last ``tracker_size`` distinct keys offered. ``events``: record :mod:`KV events
-    <kvferry.cache._events>` for :meth:`take_events`.
+    <kvferry.cache._events>` for :meth:`take_events`. ``write_back``: evicted slots are
+    DEMOTING until :meth:`end_demotions` (their bytes are written to a lower tier first).
 
     The per-request calls loop in Python over memoryviews of the state arrays (a numpy
     call costs more than a whole short request) and hand the policy one array per call;
@@ -84,6 +89,7 @@ class Directory:
         tracker_size: int = 64_000,
         events: bool = False,
         medium: str = MEDIUM,
+        write_back: bool = False,
     ) -> None:
         if num_slots <= 0:
             raise ValueError(f"num_slots must be > 0, got {num_slots}")
@@ -111,6 +117,9 @@ class Directory:
         self._events: list[KVEvent] | None = [] if events else None
         self.medium = medium
         """The medium its events name ("CPU" for host memory, "DISK" for the disk tier)."""
+        self.write_back = write_back
+        self._demoting: list[int] = []  # evicted, not yet taken by take_demotions()
+        self._num_demoting = 0  # DEMOTING slots, taken or not
         self.lookups = self.hits = self.misses = 0
         self.stores_prepared = self.stores_skipped_present = self.stores_skipped_full = 0
         self.stores_completed = self.stores_failed = 0
@@ -266,8 +275,14 @@ class Directory:
         if self._uses_tags and tags is not None:
             self.policy.store_miss(tags)
         if need > self._num_free:
-            short = max(need - self._num_free, self.used + need - int(self.low * self.num_slots))
-            self.evictions_inline += self._evict(short, protect)
+            # DEMOTING slots are on their way out (write_back): not evicted twice.
+            used = self.used - self._num_demoting
+            short = max(
+                need - self._num_free - self._num_demoting,
+                used + need - int(self.low * self.num_slots),
+            )
+            if short > 0:
+                self.evictions_inline += self._evict(short, protect)
         m = min(need, self._num_free)
         self.stores_skipped_full += need - m
         if not m:
@@ -389,9 +404,10 @@ class Directory:
     def room_short(self) -> int:
         """Blocks to evict to come down to the low watermark; 0 unless above the high one,
         or while nothing became evictable since an eviction found nothing to evict."""
-        if self._stuck or self.used <= self.high * self.num_slots:
+        used = self.used - self._num_demoting  # on their way out already
+        if self._stuck or used <= self.high * self.num_slots:
             return 0
-        return max(0, self.used - int(self.low * self.num_slots))
+        return max(0, used - int(self.low * self.num_slots))
 
     def evict(self, max_blocks: int | None = None) -> int:
         """Evict towards the low watermark (at most ``max_blocks``); returns how many."""
@@ -436,10 +452,54 @@ class Directory:
         gone = victims.tolist()
         if self._events is not None:
             self._events.append(BlocksRemoved(keys=self._keys_of(gone), medium=self.medium))
+        self.evictions += len(victims)
+        if self.write_back:
+            # Not a hit from now on, but kept (and its key, so that it is not stored
+            # again meanwhile) until the caller wrote it down: end_demotions frees it.
+            self._state[victims] = DEMOTING
+            self._demoting.extend(gone)
+            self._num_demoting += len(gone)
+            return len(victims)
         self._unindex(gone)
         self._release(victims)
-        self.evictions += len(victims)
         return len(victims)
+
+    def take_demotions(self) -> tuple[I64, list[Key]]:
+        """Slots evicted since the last call (``write_back``), with their keys: each is
+        the caller's to write down, then to end with :meth:`end_demotions`. Slots a reset
+        dropped meanwhile are not handed out (their bytes are of no use): freed now."""
+        if not self._demoting:
+            return np.zeros(0, np.int64), []
+        slots, self._demoting = self._demoting, []
+        key_of = self._key_of
+        dropped = [s for s in slots if key_of[s] is None]
+        if dropped:
+            self._end(np.array(dropped, np.int64))
+            slots = [s for s in slots if key_of[s] is not None]
+        return np.array(slots, np.int64), self._keys_of(slots)
+
+    def end_demotions(self, slots: npt.ArrayLike) -> None:
+        """Free DEMOTING slots taken by :meth:`take_demotions` (written down or not)."""
+        arr = np.asarray(slots, np.int64)
+        if not len(arr):
+            return
+        in_range = (arr >= 0) & (arr < self.num_slots)
+        ok = in_range & (self._state[np.where(in_range, arr, -1)] == DEMOTING)
+        if not ok.all():
+            self._broken("end_demotion_of_a_slot_not_demoting", "skipped", slots=arr[~ok].tolist())
+        self._end(np.unique(arr[ok]))
+
+    def _end(self, slots: I64) -> None:
+        key_of, slot_of = self._key_of, self._slot_of
+        for s in slots.tolist():
+            key = key_of[s]
+            if key is not None:  # a reset forgot it already
+                if slot_of.get(key) == s:
+                    del slot_of[key]
+                key_of[s] = None
+        self._num_demoting -= len(slots)
+        self._stuck = False
+        self._release(slots)
 
     def _broken(self, invariant: str, action: str, **context: object) -> None:
         """Report a broken invariant of this bookkeeping (a bug): counted, logged once
@@ -516,6 +576,7 @@ class Directory:
             ready=int(np.count_nonzero(state == READY)),
             pinned=int(np.count_nonzero(self._pins)),
             storing=int(np.count_nonzero(state == STORING)),
+            demoting=self._num_demoting,
             lookups=self.lookups,
             hits=self.hits,
             misses=self.misses,

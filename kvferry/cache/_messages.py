@@ -166,6 +166,29 @@ class EvictSome:
 
 
 @attrs.frozen(kw_only=True)
+class Demotions:
+    """Slots evicted from a ``write_back`` directory, with their keys: DEMOTING (no
+    longer hits, bytes kept) until :class:`EndDemotions`."""
+
+    slots: npt.NDArray[np.int64] = attrs.field(converter=_i64, eq=False)
+    keys: tuple[Key, ...]
+
+
+@attrs.frozen(kw_only=True)
+class TakeDemotions:
+    """Answers the :class:`Demotions` since the last one (``write_back`` directories)."""
+
+    reply: Reply[Demotions] = attrs.field(eq=False, repr=False)
+
+
+@attrs.frozen(kw_only=True)
+class EndDemotions:
+    """These DEMOTING slots were written down (or are not to be): free them."""
+
+    slots: npt.NDArray[np.int64] = attrs.field(converter=_i64, eq=False)
+
+
+@attrs.frozen(kw_only=True)
 class AttachEvictor:
     """From now on, tell ``evictor`` when occupancy passes the high watermark."""
 
@@ -191,6 +214,8 @@ DirectoryMsg: TypeAlias = (
     | ResetCache
     | TakeEvents
     | EvictSome
+    | TakeDemotions
+    | EndDemotions
     | AttachEvictor
     | GetStatistics
 )

@@ -15,6 +15,8 @@ class DirectoryStatistics:
     ready: int
     pinned: int
     storing: int
+    demoting: int = 0
+    """Evicted slots kept until their write to a lower tier ended (``write_back``)."""
     lookups: int
     hits: int
     misses: int

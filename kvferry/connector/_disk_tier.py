@@ -81,6 +81,12 @@ class DiskTier:
         self._log = get_logger("kvferry.connector", role="scheduler", tier=tier.index)
 
     @property
+    def write_back(self) -> bool:
+        """``write: "on_evict"``: blocks are written down when host memory evicts them
+        (not when they are stored)."""
+        return self.tier.write == "on_evict"
+
+    @property
     def capacity(self) -> int:
         return self.dir.num_slots
 

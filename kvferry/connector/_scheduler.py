@@ -38,12 +38,14 @@ from ..cache import (
     CompleteStore,
     DirectoryMsg,
     DirectoryStatistics,
+    EndDemotions,
     GetStatistics,
     Lease,
     LookupAndPin,
     PrepareLoad,
     PrepareStore,
     ResetCache,
+    TakeDemotions,
     TakeEvents,
     Touch,
     Unpin,
@@ -205,6 +207,9 @@ class SchedulerStatistics:
     disk_writes_failed: int = 0
     disk_hits_cut: int = 0
     """Lookups whose disk hit was cut short: no host slot to read a chunk into."""
+    host_blocks_demoted: int = 0
+    """``write: "on_evict"``: blocks host memory evicted, each then written down or
+    (already on disk, not admitted, no room) dropped."""
     disk: DirectoryStatistics | None = None
     """The disk tier's directory (None without a disk tier)."""
 
@@ -289,6 +294,9 @@ class _Job:
     disk_failed: npt.NDArray[np.int64] | None = None
     """Per disk chunk, on how many workers it failed (summed over the workers' reports)."""
     disk_write: bool = False
+    demotion: bool = False
+    """A disk write of blocks host memory evicted (``write: "on_evict"``): its host slots
+    are DEMOTING, freed (not unpinned) when it ends."""
     first_chunk: int | None = None
     """A planned load: the first chunk it fills. Failed, its request stores from there
     again once vLLM recomputed the blocks (a chunk that failed its read is nowhere now)."""
@@ -348,6 +356,7 @@ class SchedulerSide:
                 "disk_reads_failed",
                 "disk_writes_failed",
                 "disk_hits_cut",
+                "host_blocks_demoted",
             ),
             0,
         )
@@ -373,10 +382,14 @@ class SchedulerSide:
 
         kv_events = getattr(vllm_config, "kv_events_config", None)
         self.events_enabled = bool(kv_events is not None and kv_events.enable_kv_cache_events)
+        write_back = bool(cfg.tiers) and cfg.tiers[0].write == "on_evict"
         self._book = BlockBook(
             chunk_tokens=self.geometry.chunk_tokens,
             hashes_per_chunk=self.geometry.hashes_per_chunk,
             groups=group_specs(kv_cache_config),
+            # on_evict: a stored block's facts are kept until it is written down (its
+            # DISK event), so the book holds up to the whole host tier.
+            max_entries=max(1 << 16, 2 * num_slots) if write_back else 1 << 16,
         )
 
         self.disk: DiskTier | None = None
@@ -408,6 +421,7 @@ class SchedulerSide:
                 store_threshold=cfg.store_threshold,
                 tracker_size=cfg.store_threshold_tracker_size,
                 events=self.events_enabled,
+                write_back=write_back,
             )
             return tier.directory
 
@@ -834,6 +848,8 @@ class SchedulerSide:
             if plan is not None:
                 plans.append(plan)
         self._prepare_stores(plans)
+        if self.disk is not None and self.disk.write_back:
+            self._demote()
 
         meta = KVFerryMetadata(
             loads=self._pending_loads,
@@ -1226,10 +1242,54 @@ class SchedulerSide:
         # The facts of the keys written down are kept for the disk tier's own event.
         written = set(keys) if job.event_keys else set()
         self._book.retire([k for k in job.event_keys if k not in written])
-        if not chosen.any():
+        if chosen.any():
+            self._write_down(
+                keys,
+                job.slots[chosen],
+                places[chosen],
+                tuple(k for k in job.event_keys if k in written),
+                demotion=False,
+            )
+
+    def _demote(self) -> None:
+        """``write: "on_evict"``: the blocks host memory evicted since the last step are
+        written down if the disk tier takes them (not there yet, admitted, room made),
+        their host slots kept (DEMOTING) until the write ended; the others are freed now.
+        Their block facts (the DISK event's) are retired when that is decided."""
+        assert self.disk is not None
+        demoted = self._ask(lambda r: TakeDemotions(reply=r))
+        if not len(demoted.slots):
             return
+        keys = list(demoted.keys)
+        places = self.disk.prepare_writes(keys)
+        chosen = places >= 0
+        self._c["host_blocks_demoted"] += len(keys)
+        if not chosen.all():
+            self.directory_tell(EndDemotions(slots=demoted.slots[~chosen]))
+            if self.events_enabled:
+                self._book.retire(k for k, c in zip(keys, chosen.tolist(), strict=True) if not c)
+        if chosen.any():
+            written = [k for k, c in zip(keys, chosen.tolist(), strict=True) if c]
+            self._write_down(
+                written,
+                demoted.slots[chosen],
+                places[chosen],
+                tuple(written) if self.events_enabled else (),
+                demotion=True,
+            )
+
+    def _write_down(
+        self,
+        keys: list[bytes],
+        host: npt.NDArray[np.int64],
+        places: npt.NDArray[np.int64],
+        event_keys: tuple[bytes, ...],
+        *,
+        demotion: bool,
+    ) -> None:
+        """A disk write job for the next step: ``keys`` from host slots ``host`` (pinned,
+        or DEMOTING) into the disk tier's ``places``."""
         write_id = self._new_job_id()
-        host = job.slots[chosen]
         self._jobs[write_id] = _Job(
             job_id=write_id,
             req_id="",
@@ -1237,9 +1297,10 @@ class SchedulerSide:
             slots=host,
             tokens=0,
             disk_keys=tuple(keys),
-            disk_slots=places[chosen],
+            disk_slots=places,
             disk_write=True,
-            event_keys=tuple(k for k in job.event_keys if k in written),
+            demotion=demotion,
+            event_keys=event_keys,
         )
         self._pending_disk_writes.append(
             DiskWriteSpec(job_id=write_id, chunks=DiskChunks(keys=keys, slots=host))
@@ -1256,7 +1317,10 @@ class SchedulerSide:
             job.disk_slots, job.disk_keys, failed
         )
         self._book.retire(job.event_keys)
-        self._unpin(job.slots)
+        if job.demotion:
+            self.directory_tell(EndDemotions(slots=job.slots))
+        else:
+            self._unpin(job.slots)
 
     def _ack(self, meta: KVFerryWorkerMetadata) -> None:
         for key, value in meta.stats.items():
@@ -1286,6 +1350,7 @@ class SchedulerSide:
                 continue
             del self._jobs[job_id]
             if job.disk_write:
+                self._stale_jobs.discard(job_id)
                 self._end_disk_write(job)
                 continue
             for block in job.fenced:
@@ -1306,7 +1371,14 @@ class SchedulerSide:
                 stale = job_id in self._stale_jobs
                 self._stale_jobs.discard(job_id)
                 if self.disk is not None and job.keys and not job.failed and not stale:
-                    self._write_through(job)
+                    if self.disk.write_back:
+                        # Written down when host memory evicts them (_demote): their
+                        # block facts are kept until then.
+                        self.directory_tell(CompleteStore(slots=job.slots, ok=True))
+                        kept = set(job.keys)
+                        self._book.retire(k for k in job.event_keys if k not in kept)
+                    else:
+                        self._write_through(job)
                 else:
                     self.directory_tell(
                         CompleteStore(slots=job.slots, ok=not job.failed and not stale)

@@ -60,6 +60,14 @@ def build(
         ({"cpu_bytes_to_use": 10**7, "store_threshold": 0}, "store_threshold", ">= 1"),
         ({"cpu_bytes_to_use": 10**7, "traces": {"otlp": 5}}, "traces", "otlp"),
         ({"cpu_bytes_to_use": 10**7, "store_decoded": "no"}, "store_decoded", "true or false"),
+        (
+            {
+                "cpu_bytes_to_use": 10**7,
+                "tiers": [{"kind": "disk", "path": "/tmp", "bytes_to_use": 1, "write": "back"}],
+            },
+            "tiers[0]",  # the check compares the key's first part: tiers[0].write
+            "'tiers\\[0\\].write': must be 'through' or 'on_evict'",
+        ),
     ],
 )
 @pytest.mark.parametrize("role", ["SCHEDULER", "WORKER"])
@@ -94,3 +102,21 @@ def test_cpu_bytes_is_checked_against_available_memory() -> None:
     too_much = available_host_bytes() * 2
     with pytest.raises(ConfigError, match="cpu_bytes_to_use"):
         FerryConfig.from_dict({"cpu_bytes_to_use": too_much})
+
+
+def test_a_tier_written_on_eviction_keeps_host_room_free_unless_told_otherwise() -> None:
+    disk = {"kind": "disk", "path": "/tmp", "bytes_to_use": 1 << 30}
+    through = FerryConfig.from_dict({"cpu_bytes_to_use": 10**7, "tiers": [disk]})
+    on_evict = FerryConfig.from_dict(
+        {"cpu_bytes_to_use": 10**7, "tiers": [{**disk, "write": "on_evict"}]}
+    )
+    told = FerryConfig.from_dict(
+        {
+            "cpu_bytes_to_use": 10**7,
+            "tiers": [{**disk, "write": "on_evict"}],
+            "eviction_watermarks": [1.0, 1.0],
+        }
+    )
+    assert through.eviction_watermarks == (1.0, 1.0)
+    assert on_evict.tiers[0].write == "on_evict" and on_evict.eviction_watermarks == (0.9, 0.95)
+    assert told.eviction_watermarks == (1.0, 1.0)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kvferry import FerryConfig
-from kvferry.cache import ClearAll, GetStatistics
+from kvferry.cache import ClearAll, GetStatistics, LookupEach
 from kvferry.tiers import HEADER_SIZE
 from kvferry.tiers._format import file_size
 
@@ -33,15 +33,28 @@ class Engine:
     the way vLLM does once per step (the worker is built first, as in vLLM: its
     ``register_kv_caches`` runs before the scheduler exists)."""
 
-    def __init__(self, make_vllm_config: Any, kv_cache_config: Any, path: Path, runtime: str):
+    def __init__(
+        self,
+        make_vllm_config: Any,
+        kv_cache_config: Any,
+        path: Path,
+        runtime: str,
+        host_slots: int = 8,
+        **disk: Any,
+    ):
         from kvferry.connector._scheduler import SchedulerSide
         from kvferry.connector._worker import WorkerSide
 
         extra = {
-            "cpu_bytes_to_use": 8 * SLOT_BYTES,
+            "cpu_bytes_to_use": host_slots * SLOT_BYTES,
             "runtime": runtime,
             "tiers": [
-                {"kind": "disk", "path": str(path), "bytes_to_use": 16 * file_size(SLOT_BYTES)}
+                {
+                    "kind": "disk",
+                    "path": str(path),
+                    "bytes_to_use": 16 * file_size(SLOT_BYTES),
+                    **disk,
+                }
             ],
         }
         cfg = FerryConfig.from_dict(extra)
@@ -93,8 +106,8 @@ def make_engine(
 ) -> Iterator[Callable[..., Engine]]:
     made: list[Engine] = []
 
-    def make(runtime: str = "stepped") -> Engine:
-        made.append(Engine(make_vllm_config, kv_cache_config, tmp_path / "disk", runtime))
+    def make(runtime: str = "stepped", **kw: Any) -> Engine:
+        made.append(Engine(make_vllm_config, kv_cache_config, tmp_path / "disk", runtime, **kw))
         return made[-1]
 
     yield make
@@ -173,3 +186,62 @@ def test_after_a_restart_the_files_are_hits_again(make_engine: Callable[..., Eng
     load(again, b, [5, 6, 7], 2 * BLOCK)
     assert again.load_errors == set()
     assert [again.block(x) for x in (5, 6)] == written
+
+
+def test_on_evict_writes_a_block_down_only_when_host_memory_evicts_it(
+    make_engine: Callable[..., Engine],
+) -> None:
+    # 12 host slots; the evictor (watermarks 0.9 / 0.95 with on_evict) brings 12 down to 10.
+    e = make_engine(write="on_evict", host_slots=12)
+    names = "abcd"
+    prompts = {n: request(n, 3 * BLOCK + 8, seed=s) for s, n in enumerate(names, 1)}
+    blocks = {"a": [1, 2, 3, 4], "b": [5, 6, 7, 8], "c": [9, 10, 11, 12], "d": [13, 14, 15, 4]}
+    keys = [key(r, c) for r in prompts.values() for c in range(3)]
+
+    def store(n: str) -> None:
+        e.sched.on_new_request(prompts[n])
+        e.step({n: (blocks[n],)}, {n: prompts[n].num_tokens})
+        settle(e)
+
+    for n in "abc":  # 9 of 12 slots: nothing evicted, nothing written
+        store(n)
+    assert e.sched.statistics().disk_chunks_written == 0 and disk_files(e) == 0
+    assert not e.sched.disk.ready(keys).any()
+    written = {n: [e.block(x) for x in blocks[n][:3]] for n in names}
+
+    store("d")  # 12 of 12: the evictor's victims are written down, then their slots freed
+    stats = e.sched.statistics()
+    demoted = stats.host_blocks_demoted
+    assert demoted == 2 and stats.disk_chunks_written == demoted == disk_files(e)
+    assert stats.directory.demoting == 0 and stats.directory.used == 12 - demoted
+    host = e.sched._ask(lambda r: LookupEach(keys=tuple(keys), reply=r))
+    on_disk = e.sched.disk.ready(keys)
+    assert (host ^ on_disk).all()  # every block stored is in exactly one tier
+    assert int(on_disk.sum()) == demoted
+
+    # The prompts with blocks on disk load whole again (host and disk), bit for bit.
+    from_disk = {n for n, d in zip(names, on_disk.reshape(4, 3).any(axis=1), strict=True) if d}
+    assert from_disk
+    for n in sorted(from_disk):
+        for layer in LAYERS:
+            e.kv[layer][:, [1, 2, 3]] = 0
+        again = request(n + "2", 3 * BLOCK + 8, seed=names.index(n) + 1)
+        load(e, again, [1, 2, 3, 4], 3 * BLOCK)
+        assert [e.block(x) for x in (1, 2, 3)] == written[n], n
+        settle(e)
+    assert e.load_errors == set()
+
+
+def settle(e: Engine) -> None:
+    """Steps until no job is in flight, no eviction is being written down, and the
+    evictor has nothing left to do (occupancy at most its high watermark)."""
+
+    def settled() -> bool:
+        d = e.sched._ask(GetStatistics)
+        return not e.sched._jobs and d.demoting == 0 and d.used <= 0.95 * d.capacity
+
+    e.run_until(settled)
+
+
+def disk_files(e: Engine) -> int:
+    return sum(1 for _ in e.worker.disk.namespace.glob("*/*.kvc"))

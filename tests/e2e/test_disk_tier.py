@@ -20,6 +20,9 @@ once: ~20 s each):
      damaged chunks are counted and never loaded, outputs stay equal; the forged
      document loads (it verifies) and its outputs differ: the comparisons have teeth.
 
+Engine D (on a path of its own) writes blocks down only when host memory evicts them
+(``write: "on_evict"``).
+
 Start errors (bad path, bad bytes_to_use, an unseeded xxhash block hash) run in one
 subprocess that imports vLLM once and starts each engine in-process in a forked child
 (a failing start then costs ~1 s, not ~30 s).
@@ -516,6 +519,62 @@ def test_recomputed_documents_are_written_down_again(
             assert bad <= damage.truncated and len(bad) < CHUNKS - 1, (doc, back)
         else:
             assert not bad, (doc, back)
+
+
+# ----------------------------------------------------------------------------- on_evict
+
+# Engine D: blocks written down when host memory evicts them. Host room for 3.4
+# documents, of which the evictor keeps a document's worth free (the watermarks): each
+# document's store finds room at once, and the documents pushed out are written down.
+EVICT_HOST_BLOCKS = 24
+EVICT_WATERMARKS = [0.6, 0.7]
+
+
+@attrs.define
+class EvictRun:
+    pass1: dict[int, Asked] = attrs.Factory(dict)
+    pass2: dict[int, Asked] = attrs.Factory(dict)
+    files_after_pass1: set[Path] = attrs.Factory(set)
+    metrics: dict[str, float] = attrs.Factory(dict)
+
+
+@pytest.fixture(scope="module")
+def evict_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> EvictRun:
+    path = tmp_path_factory.mktemp("disk-on-evict")
+    config = ferry_config(path, host_blocks=EVICT_HOST_BLOCKS, write="on_evict")
+    config["eviction_watermarks"] = EVICT_WATERMARKS
+    run = EvictRun()
+    llm = start(tiny_model, config)
+    try:
+        for doc in MAIN:
+            run.pass1[doc] = ask(llm, doc)
+        [namespace] = disk_chunk_files(path) or {"": set()}
+        run.files_after_pass1 = settled_files(path, namespace)
+        reset_engine_cache(llm)
+        for doc in MAIN:
+            run.pass2[doc] = ask(llm, doc)
+        run.metrics = kvferry_metrics(llm)
+    finally:
+        close_engine(llm)
+    return run
+
+
+def test_on_evict_writes_down_only_what_host_memory_evicted(
+    baseline: dict[int, list[int]], evict_run: EvictRun
+) -> None:
+    for doc in MAIN:
+        assert evict_run.pass1[doc].tokens == baseline[doc], doc
+        assert evict_run.pass2[doc].tokens == baseline[doc], doc
+    written = len(evict_run.files_after_pass1)
+    # The first documents were pushed out of host memory and written down; the blocks
+    # still in host memory (at least the low watermark's share) never were.
+    assert 2 * CHUNKS <= written <= len(MAIN) * CHUNKS - int(0.6 * EVICT_HOST_BLOCKS), written
+    # Re-asked, the first document comes whole from disk; every document loads whole
+    # from one tier or the other.
+    assert evict_run.pass2[0].from_disk == FULL_TOKENS, evict_run.pass2[0]
+    for doc in MAIN:
+        assert evict_run.pass2[doc].loaded == FULL_TOKENS, (doc, evict_run.pass2[doc])
+    assert not evict_run.metrics.get(DISK_READS_FAILED)
 
 
 # ----------------------------------------------------------------------------- start errors
