@@ -75,8 +75,8 @@ from ..transfer import (
     new_copy_engine,
 )
 from ..transfer._layout import KVLayout, _block_dim
+from ._geometry import Geometry, plan_geometry
 from ._metadata import DiskChunks, JobSpec, KVFerryMetadata, KVFerryWorkerMetadata
-from ._scheduler import Geometry, plan_geometry
 from ._tiers import disk_fingerprint
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from kvferry import ConfigError
-from kvferry.connector._scheduler import windowed_hit
+from kvferry.connector._geometry import windowed_hit
 
 from ._steps import BLOCK, acked, allocated, key, request, scheduler_side, step, store_keys
 

@@ -1,0 +1,131 @@
+"""The sizes both halves of the connector derive from vLLM's KV-cache config.
+
+Who owns what: pure values and functions, no state and no thread of their own. The
+scheduler half (:class:`~kvferry.connector._scheduler.SchedulerSide`) and the worker half
+(:class:`~kvferry.connector._worker.WorkerSide`) each call :func:`plan_geometry` once at
+start, from the same ``kv_cache_config``, so they agree on the offloaded block (chunk)
+size, the host slots and each group's sliding window; the scheduler's lookups measure a
+hybrid model's hit with :func:`windowed_hit`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from .._config import FerryConfig
+from .._errors import ConfigError
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+
+@attrs.frozen(kw_only=True)
+class Geometry:
+    """Sizes both halves derive from the same ``kv_cache_config``."""
+
+    engine_block_size: int
+    blocks_per_chunk: int
+    hashes_per_chunk: int
+    num_groups: int
+    windows: tuple[int | None, ...]
+    """Per group: None for full attention, else its sliding window in offloaded blocks."""
+    row_bytes: int
+    """Bytes of one engine block of the largest group, on one worker."""
+    num_slots: int
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.engine_block_size * self.blocks_per_chunk
+
+    @property
+    def hybrid(self) -> bool:
+        return any(w is not None for w in self.windows)
+
+
+def group_window(spec: Any, chunk_tokens: int, group: int) -> int | None:
+    """None for a full-attention group; a sliding-window group's window, in offloaded
+    blocks (as vLLM's offloading counts it, trailing retained tokens included)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    if isinstance(spec, SlidingWindowSpec):
+        window = spec.sliding_window
+        extra = getattr(spec, "extra_retained_tokens", 0) or 0
+        return max(-(-window // chunk_tokens), -(-(window - 1 + extra) // chunk_tokens))
+    if isinstance(spec, FullAttentionSpec):
+        return None
+    raise ConfigError(
+        "model",
+        f"KV-cache group {group} is {type(spec).__name__}: kvferry offloads full-attention "
+        "and sliding-window groups only",
+    )
+
+
+def plan_geometry(
+    cfg: FerryConfig, kv_cache_config: KVCacheConfig, engine_block_size: int, world_size: int
+) -> Geometry:
+    """Offloaded block size and host slots, from the config and vLLM's KV-cache config."""
+    groups = kv_cache_config.kv_cache_groups
+    if not groups:
+        raise ConfigError("block_size", "the model has no KV-cache group to offload")
+    block_sizes = {g.kv_cache_spec.block_size for g in groups}
+    if len(block_sizes) != 1:
+        raise ConfigError(
+            "block_size", f"KV-cache groups with different block sizes {sorted(block_sizes)}"
+        )
+    group_block = block_sizes.pop()
+    bpc = cfg.blocks_per_chunk(group_block)
+    hash_block = getattr(kv_cache_config, "hash_block_size", None) or group_block
+    chunk_tokens = group_block * bpc
+    if chunk_tokens % hash_block:
+        raise ConfigError(
+            "block_size",
+            f"{chunk_tokens} tokens is not a multiple of vLLM's hash block size {hash_block}",
+        )
+    windows = tuple(group_window(g.kv_cache_spec, chunk_tokens, i) for i, g in enumerate(groups))
+    row_bytes = max(len(g.layer_names) * g.kv_cache_spec.page_size_bytes for g in groups)
+    slot_bytes = row_bytes * bpc * world_size
+    num_slots = cfg.cpu_bytes_to_use // slot_bytes
+    if num_slots <= 0:
+        raise ConfigError(
+            "cpu_bytes_to_use",
+            f"{cfg.cpu_bytes_to_use} bytes hold no offloaded block ({slot_bytes} bytes each)",
+        )
+    return Geometry(
+        engine_block_size=group_block,
+        blocks_per_chunk=bpc,
+        hashes_per_chunk=chunk_tokens // hash_block,
+        num_groups=len(groups),
+        windows=windows,
+        row_bytes=row_bytes,
+        num_slots=num_slots,
+    )
+
+
+def windowed_hit(ready: npt.NDArray[np.bool_], windows: tuple[int | None, ...]) -> int:
+    """How many leading offloaded blocks of ``ready`` (blocks x groups) make a hit.
+
+    Every full-attention group must hold each block of the hit; a sliding-window group
+    only the last ``window`` blocks of it (those before the first row are on the device).
+    """
+    n = ready.shape[0]
+    full = [g for g, w in enumerate(windows) if w is None]
+    end = n
+    if full:
+        ok = ready[:, full].all(axis=1)
+        end = n if ok.all() else int(np.argmin(ok))
+    sliding = [(g, w) for g, w in enumerate(windows) if w is not None]
+    while end > 0:
+        for g, w in sliding:
+            start = end - min(w, end)
+            window = ready[start:end, g]
+            if not window.all():
+                # No hit whose window covers this miss: the next candidate ends at it.
+                end = start + int(np.flatnonzero(~window)[-1])
+                break
+        else:
+            return int(end)
+    return 0
