@@ -52,11 +52,18 @@ from ..cache import (
     spawn_host_tier,
     to_vllm_events,
 )
-from ..transfer import CopyJob, GroupBlocks
+from ..transfer import CopyJob
 from ._blockinfo import BlockBook, group_specs
 from ._disk_tier import DiskTier
 from ._geometry import plan_geometry, windowed_hit
 from ._metadata import DiskChunks, DiskWriteSpec, JobSpec, KVFerryMetadata, KVFerryWorkerMetadata
+from ._planner import (
+    failed_load_parts,
+    load_parts,
+    plan_load,
+    plan_store,
+    storable_chunks,
+)
 from ._tiers import check_hash_algo, disk_fingerprint
 
 if TYPE_CHECKING:
@@ -533,7 +540,7 @@ class SchedulerSide:
         num_local, hit_chunks = st.lookup
         st.lookup = None
         geo = self.geometry
-        bs, bpc, ct = geo.engine_block_size, geo.blocks_per_chunk, geo.chunk_tokens
+        ct = geo.chunk_tokens
         end_tok = num_local + num_external_tokens
         if end_tok != hit_chunks * ct:
             error = InvariantError(
@@ -542,22 +549,9 @@ class SchedulerSide:
             self._unpin_disk(disk_lease)
             self._fail_load(st, blocks, lease, error, announced=hit_chunks * ct - num_local)
             return
-        first_chunk = num_local // ct
-        G = geo.num_groups
-        block_ids = blocks.get_block_ids()
-        first_blk, end_blk = num_local // bs, end_tok // bs
-        blk = np.arange(first_blk, end_blk)
-        # Per group, the blocks to fill: all of them for full attention; for a sliding
-        # window only those vLLM allocated (the ones before the window are its null block 0).
-        devs = [np.asarray(block_ids[g][first_blk:end_blk], dtype=np.int64) for g in range(G)]
-        wanted = np.ones((hit_chunks - first_chunk, G), dtype=np.bool_)
-        for g in range(G):
-            if geo.windows[g] is not None:
-                live = devs[g] != 0
-                wanted[:, g] = False
-                wanted[np.unique(blk[live] // bpc - first_chunk), g] = True
-        all_keys = self._keys(request, first_chunk, hit_chunks)
-        keys = [k for k, w in zip(all_keys, wanted.ravel().tolist(), strict=True) if w]
+        plan = plan_load(geo, blocks.get_block_ids(), num_local, hit_chunks)
+        first_chunk = plan.first_chunk
+        keys = plan.wanted_keys(self._keys(request, first_chunk, hit_chunks))
         release = lease if lease is not None else np.zeros(0, np.int64)
         # Chunks only on disk: read into host slots reserved now, then loaded with the rest.
         from_disk = set(disk_lease[0]) if disk_lease is not None else set()
@@ -584,22 +578,12 @@ class SchedulerSide:
         both = np.empty(len(keys), np.int64)
         both[~dmask] = found
         both[dmask] = reserved
-        slots = np.full(wanted.size, -1, dtype=np.int64)
-        slots[wanted.ravel()] = both
-        slot_of = slots.reshape(-1, G)
-        parts = []
-        for g in range(G):
-            dev = devs[g]
-            keep = dev != 0 if geo.windows[g] is not None else slice(None)
-            b = blk[keep]
-            rows = slot_of[b // bpc - first_chunk, g] * bpc + b % bpc
-            parts.append(GroupBlocks(group=g, device_blocks=dev[keep], host_rows=rows))
-        slots = found
+        parts = load_parts(geo, plan, both)
         self._jobs[job_id] = _Job(
             job_id=job_id,
             req_id=request.request_id,
             is_store=False,
-            slots=slots,
+            slots=found,
             tokens=num_external_tokens,
             keys=tuple(keys),
             deadline=self._clock() + self.cfg.job_timeout_s,
@@ -622,7 +606,7 @@ class SchedulerSide:
         self._pending_loads.append(
             JobSpec(
                 req_id=request.request_id,
-                copy=CopyJob(job_id=job_id, direction="load", parts=tuple(parts)),
+                copy=CopyJob(job_id=job_id, direction="load", parts=parts),
                 traceparent=tp,
                 disk_reads=DiskChunks(keys=disk_keys, slots=reserved) if disk_keys else None,
             )
@@ -665,11 +649,7 @@ class SchedulerSide:
         else:
             self._log.warning("load_not_planned", reason=error, req_id=req_id, **context)
         job_id = self._new_job_id()
-        parts = []
-        for g, ids in enumerate(blocks.get_block_ids()):
-            dev = [b for b in ids if b != 0]  # 0: vLLM's null block
-            if dev:
-                parts.append(GroupBlocks(group=g, device_blocks=dev, host_rows=[-1] * len(dev)))
+        parts = failed_load_parts(blocks.get_block_ids())
         self._jobs[job_id] = _Job(
             job_id=job_id,
             req_id=req_id,
@@ -686,7 +666,7 @@ class SchedulerSide:
         self._pending_loads.append(
             JobSpec(
                 req_id=req_id,
-                copy=CopyJob(job_id=job_id, direction="load", parts=tuple(parts)),
+                copy=CopyJob(job_id=job_id, direction="load", parts=parts),
                 traceparent=tp,
             )
         )
@@ -939,11 +919,7 @@ class SchedulerSide:
         geo = self.geometry
         if not self.cfg.store_decoded:
             computed_tokens = min(computed_tokens, st.request.num_prompt_tokens)
-        upto = min(
-            computed_tokens // geo.chunk_tokens,
-            self._num_keyed_chunks(st.request),
-            min((len(b) for b in block_ids), default=0) // geo.blocks_per_chunk,
-        )
+        upto = storable_chunks(geo, computed_tokens, self._num_keyed_chunks(st.request), block_ids)
         if upto <= st.stored_upto:
             return None
         first, st.stored_upto = st.stored_upto, upto
@@ -962,41 +938,19 @@ class SchedulerSide:
         slots_all = self._ask(lambda r: PrepareStore(keys=tuple(all_keys), reply=r))
         self._dir_dirty = True
         geo = self.geometry
-        G, bpc = geo.num_groups, geo.blocks_per_chunk
+        G = geo.num_groups
         pos = 0
         for st, first, upto, block_ids in plans:
             n = (upto - first) * G
-            slots = slots_all[pos : pos + n].reshape(upto - first, G)
             keys_of = all_keys[pos : pos + n]
+            plan = plan_store(
+                geo, first, block_ids, slots_all[pos : pos + n].reshape(upto - first, G), keys_of
+            )
             plan_keys = tuple(keys_of) if self.events_enabled else ()
             pos += n
-            parts = []
-            taken = []
-            fenced: list[int] = []
-            for g in range(G):
-                dev_rows: list[int] = []
-                host_rows: list[int] = []
-                for i, c in enumerate(range(first, upto)):
-                    slot = int(slots[i, g])
-                    if slot < 0:
-                        continue
-                    dev = block_ids[g][c * bpc : (c + 1) * bpc]
-                    if 0 in dev:  # a null block (outside a sliding window): nothing to store
-                        taken.append((slot, False, b""))
-                        continue
-                    dev_rows.extend(dev)
-                    host_rows.extend(range(slot * bpc, (slot + 1) * bpc))
-                    taken.append((slot, True, keys_of[i * G + g]))
-                if dev_rows:
-                    parts.append(GroupBlocks(group=g, device_blocks=dev_rows, host_rows=host_rows))
-                    if geo.windows[g] is not None:
-                        fenced.extend(dev_rows)
-            dead = [s for s, ok, _ in taken if not ok]
-            if dead:
-                self.directory_tell(CompleteStore(slots=dead, ok=False))
-            live = np.asarray([s for s, ok, _ in taken if ok], dtype=np.int64)
-            live_keys = tuple(k for _, ok, k in taken if ok)
-            if not parts:
+            if plan.dead:
+                self.directory_tell(CompleteStore(slots=plan.dead, ok=False))
+            if not plan.parts:
                 self._book.retire(plan_keys)
                 continue
             job_id = self._new_job_id()
@@ -1004,26 +958,26 @@ class SchedulerSide:
                 job_id=job_id,
                 req_id=st.request.request_id,
                 is_store=True,
-                slots=live,
-                tokens=len(live) * geo.chunk_tokens // G if G else 0,
-                fenced=tuple(fenced),
-                keys=live_keys if self.disk is not None else (),
+                slots=plan.slots,
+                tokens=plan.tokens,
+                fenced=plan.fenced,
+                keys=plan.keys if self.disk is not None else (),
                 event_keys=plan_keys,
             )
-            for block in fenced:
+            for block in plan.fenced:
                 self._fences.setdefault(block, set()).add(job_id)
             st.store_jobs.add(job_id)
             tp = self.trace.job_planned(
                 st.request.request_id,
                 job_id,
                 direction="store",
-                blocks=sum(len(p.device_blocks) for p in parts),
-                tokens=self._jobs[job_id].tokens,
+                blocks=sum(len(p.device_blocks) for p in plan.parts),
+                tokens=plan.tokens,
             )
             self._pending_stores.append(
                 JobSpec(
                     req_id=st.request.request_id,
-                    copy=CopyJob(job_id=job_id, direction="store", parts=tuple(parts)),
+                    copy=CopyJob(job_id=job_id, direction="store", parts=plan.parts),
                     traceparent=tp,
                 )
             )
