@@ -1,9 +1,12 @@
-"""The scheduler half of the connector: request bookkeeping and job planning.
+"""The scheduler half of the connector: the orchestration of vLLM's scheduler calls.
 
 Who owns what: everything here runs on vLLM's engine thread, in the engine-core process.
-This object owns the per-request state (offload keys, engine block ids, jobs in flight);
-the host tier's directory is owned by the :class:`~kvferry.cache.DirectoryActor`, reached
-through the sync runtime with one call per vLLM call.
+:class:`SchedulerSide` owns the per-request and per-job state (``_requests.py``: offload
+keys, engine block ids, jobs in flight); the host tier's directory is owned by the
+:class:`~kvferry.cache.DirectoryActor`, reached through the sync runtime with one call per
+vLLM call. The sizes come from ``_geometry.py`` (shared with the worker half); which
+engine block pairs with which host row is the pure planner's (``_planner.py``); the
+report goes through the one table of metric names (``kvferry/_metrics.py``).
 
 A key is the chained block hash vLLM computed at the last token of an offloaded block,
 followed by the KV-cache group index (4 bytes, big-endian): the bytes vLLM's own
@@ -64,6 +67,7 @@ from ._planner import (
     plan_store,
     storable_chunks,
 )
+from ._requests import DiskLease, JobState, ReqState, parse_request_params
 from ._tiers import check_hash_algo, disk_fingerprint
 
 if TYPE_CHECKING:
@@ -114,97 +118,6 @@ class SchedulerStatistics:
     """The disk tier's directory (None without a disk tier)."""
 
 
-def parse_request_params(params: Any) -> tuple[bool, bool, str | None]:
-    """``kv_transfer_params={"kvferry": {"load": bool, "store": bool}}`` -> (load, store, error).
-
-    A bad value is not fatal to the engine: it is logged, the defaults are kept, and the
-    error is returned to the client in the request's ``kv_transfer_params``.
-    """
-    opts = (params or {}).get("kvferry") if isinstance(params, dict) else None
-    if opts is None:
-        return True, True, None
-    if not isinstance(opts, dict):
-        return True, True, f"kv_transfer_params['kvferry'] must be a dict, got {opts!r}"
-    unknown = sorted(set(opts) - {"load", "store"})
-    if unknown:
-        return (
-            True,
-            True,
-            f"kv_transfer_params['kvferry'][{unknown[0]!r}]: unknown key (known: load, store)",
-        )
-    for key in ("load", "store"):
-        if key in opts and not isinstance(opts[key], bool):
-            return (
-                True,
-                True,
-                f"kv_transfer_params['kvferry'][{key!r}] must be true or false, got {opts[key]!r}",
-            )
-    return opts.get("load", True), opts.get("store", True), None
-
-
-@attrs.define
-class _Req:
-    request: Request
-    block_ids: list[list[int]]
-    load: bool = True
-    store: bool = True
-    error: str | None = None
-    stored_upto: int = 0
-    """Chunks below this index were stored (or skipped, or loaded) already."""
-    lookup: tuple[int, int] | None = None
-    """(num_computed_tokens, hit chunks) of the last get_num_new_matched_tokens."""
-    counts: tuple[int, int] | None = None
-    """(tokens asked, tokens hit) of the last lookup, counted once the request is admitted."""
-    disk_tokens: int = 0
-    """Of the last lookup's hit, the tokens of chunks read from the disk tier."""
-    load_job: int | None = None
-    store_jobs: set[int] = attrs.field(factory=set)
-    keys: list[bytes] = attrs.field(factory=list)
-    """Offload keys of the request's chunks so far, all groups of a chunk together."""
-    finished: bool = False
-    tokens_loaded: int = 0
-
-
-_DiskLease = tuple[list[bytes], npt.NDArray[np.int64], npt.NDArray[np.int64]]
-"""(keys, their pins in the disk tier, the host slots reserved for them)."""
-
-
-@attrs.define
-class _Job:
-    job_id: int
-    req_id: str
-    is_store: bool
-    slots: npt.NDArray[np.int64]
-    tokens: int
-    acks: int = 0
-    failed: bool = False
-    fenced: tuple[int, ...] = ()
-    """Sliding-window blocks this store reads, which vLLM may free before it ends."""
-    keys: tuple[bytes, ...] = ()
-    """The keys a load fills (another request needing them waits for it); with a disk
-    tier, the keys a store fills (written down once it ended)."""
-    deadline: float = float("inf")
-    """For a load: when, unacknowledged, it is ended as failed (``job_timeout_s``)."""
-    disk_keys: tuple[bytes, ...] = ()
-    """A load: the chunks read from disk first; a disk write: the chunks written."""
-    disk_host_slots: npt.NDArray[np.int64] = attrs.field(factory=lambda: np.zeros(0, np.int64))
-    """A load: the host slots reserved (STORING) for its disk chunks, READY once read."""
-    disk_slots: npt.NDArray[np.int64] = attrs.field(factory=lambda: np.zeros(0, np.int64))
-    """A load: its pins in the disk directory; a disk write: the places it fills."""
-    disk_failed: npt.NDArray[np.int64] | None = None
-    """Per disk chunk, on how many workers it failed (summed over the workers' reports)."""
-    disk_write: bool = False
-    demotion: bool = False
-    """A disk write of blocks host memory evicted (``write: "on_evict"``): its host slots
-    are DEMOTING, freed (not unpinned) when it ends."""
-    first_chunk: int | None = None
-    """A planned load: the first chunk it fills. Failed, its request stores from there
-    again once vLLM recomputed the blocks (a chunk that failed its read is nowhere now)."""
-    event_keys: tuple[bytes, ...] = ()
-    """A store's planned keys (a disk write's keys), retired from the block book (the
-    complete KV events' facts) when it ends."""
-
-
 class SchedulerSide:
     """``clock``: seconds, monotonic; load deadlines are measured on it (tests inject one)."""
 
@@ -223,8 +136,8 @@ class SchedulerSide:
             cfg, kv_cache_config, vllm_config.cache_config.block_size, self.world_size
         )
         self._log = get_logger("kvferry.connector", role="scheduler")
-        self._reqs: dict[str, _Req] = {}
-        self._jobs: dict[int, _Job] = {}
+        self._reqs: dict[str, ReqState] = {}
+        self._jobs: dict[int, JobState] = {}
         self._next_job_id = 1
         self._pending_loads: list[JobSpec] = []
         self._pending_stores: list[JobSpec] = []
@@ -272,7 +185,7 @@ class SchedulerSide:
         self._group_suffixes = [g.to_bytes(4, "big") for g in range(self.geometry.num_groups)]
         self._loading: dict[bytes, int] = {}
         """Key -> loads in flight filling it."""
-        self._expired: dict[int, _Job] = {}
+        self._expired: dict[int, JobState] = {}
         """Loads ended at their deadline whose workers have not all reported yet."""
         self._pending_failed_loads: list[int] = []
         self._leases: dict[str, npt.NDArray[np.int64]] = {}
@@ -293,7 +206,7 @@ class SchedulerSide:
         )
 
         self.disk: DiskTier | None = None
-        self._disk_leases: dict[str, _DiskLease] = {}
+        self._disk_leases: dict[str, DiskLease] = {}
         """Request -> the disk part of its last lookup's hit: keys leased (pinned) in the
         disk tier, and the host slots reserved to read them into."""
         self._pending_disk_writes: list[DiskWriteSpec] = []
@@ -363,12 +276,12 @@ class SchedulerSide:
     def on_new_request(self, request: Request) -> None:
         self._reqs[request.request_id] = self._new_req(request)
 
-    def _new_req(self, request: Request) -> _Req:
+    def _new_req(self, request: Request) -> ReqState:
         self.trace.request_started(request.request_id, trace_headers=request.trace_headers)
         load, store, error = parse_request_params(request.kv_transfer_params)
         if error is not None:
             self._log.error("bad_request_params", req_id=request.request_id, error=error)
-        return _Req(request=request, block_ids=[], load=load, store=store, error=error)
+        return ReqState(request=request, block_ids=[], load=load, store=store, error=error)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -463,7 +376,7 @@ class SchedulerSide:
         hit_chunks: int,
         ready: npt.NDArray[np.bool_],
         on_disk: npt.NDArray[np.bool_],
-    ) -> tuple[int, _DiskLease | None]:
+    ) -> tuple[int, DiskLease | None]:
         """The disk part of a hit: leased in the disk tier (not evicted before its load)
         and host slots reserved for it now (STORING: the load reads into them, neither a
         hit nor evictable meanwhile). The hit is cut before the first chunk no host slot
@@ -579,7 +492,7 @@ class SchedulerSide:
         both[~dmask] = found
         both[dmask] = reserved
         parts = load_parts(geo, plan, both)
-        self._jobs[job_id] = _Job(
+        self._jobs[job_id] = JobState(
             job_id=job_id,
             req_id=request.request_id,
             is_store=False,
@@ -612,7 +525,7 @@ class SchedulerSide:
             )
         )
 
-    def _unpin_disk(self, disk_lease: _DiskLease | None) -> None:
+    def _unpin_disk(self, disk_lease: DiskLease | None) -> None:
         """Release a disk lease: its pins in the disk tier, its reserved host slots."""
         if disk_lease is None or self.disk is None:
             return
@@ -622,7 +535,7 @@ class SchedulerSide:
 
     def _fail_load(
         self,
-        st: _Req,
+        st: ReqState,
         blocks: KVCacheBlocks,
         lease: npt.NDArray[np.int64] | None,
         error: InvariantError | str,
@@ -650,7 +563,7 @@ class SchedulerSide:
             self._log.warning("load_not_planned", reason=error, req_id=req_id, **context)
         job_id = self._new_job_id()
         parts = failed_load_parts(blocks.get_block_ids())
-        self._jobs[job_id] = _Job(
+        self._jobs[job_id] = JobState(
             job_id=job_id,
             req_id=req_id,
             is_store=False,
@@ -912,8 +825,8 @@ class SchedulerSide:
         return job_id
 
     def _plan_store(
-        self, st: _Req, computed_tokens: int, block_ids: list[list[int]]
-    ) -> tuple[_Req, int, int, list[list[int]]] | None:
+        self, st: ReqState, computed_tokens: int, block_ids: list[list[int]]
+    ) -> tuple[ReqState, int, int, list[list[int]]] | None:
         if not st.store:
             return None
         geo = self.geometry
@@ -925,7 +838,7 @@ class SchedulerSide:
         first, st.stored_upto = st.stored_upto, upto
         return st, first, upto, block_ids
 
-    def _prepare_stores(self, plans: Iterable[tuple[_Req, int, int, list[list[int]]]]) -> None:
+    def _prepare_stores(self, plans: Iterable[tuple[ReqState, int, int, list[list[int]]]]) -> None:
         """One PrepareStore for all planned chunks; a job per request for the admitted ones."""
         plans = list(plans)
         all_keys: list[bytes] = []
@@ -954,7 +867,7 @@ class SchedulerSide:
                 self._book.retire(plan_keys)
                 continue
             job_id = self._new_job_id()
-            self._jobs[job_id] = _Job(
+            self._jobs[job_id] = JobState(
                 job_id=job_id,
                 req_id=st.request.request_id,
                 is_store=True,
@@ -1029,7 +942,7 @@ class SchedulerSide:
             )
             self.trace.job_ended(job.job_id, ok=False, error=reason)
 
-    def _release_keys(self, job: _Job) -> None:
+    def _release_keys(self, job: JobState) -> None:
         if job.is_store:  # a store's keys (write-through) hold back no lookup
             return
         for k in job.keys:
@@ -1037,7 +950,7 @@ class SchedulerSide:
             if n:
                 self._loading[k] = n
 
-    def _ack_expired(self, job: _Job, done: int) -> None:
+    def _ack_expired(self, job: JobState, done: int) -> None:
         """A worker reported a load that already ended at its deadline: all counted then."""
         job.acks += done
         if job.acks < self.world_size:
@@ -1049,7 +962,7 @@ class SchedulerSide:
         if st is not None and st.load_job == job.job_id:
             st.load_job = None
 
-    def _end_disk_reads(self, job: _Job) -> None:
+    def _end_disk_reads(self, job: JobState) -> None:
         """A load's disk chunks, once every worker reported: read everywhere, their host
         slots become READY (the blocks are in host memory now); else dropped, and a
         chunk that failed is dropped from the disk tier too (its files deleted)."""
@@ -1070,13 +983,13 @@ class SchedulerSide:
             self.disk.reads_ended(job.disk_keys, failed)
 
     @staticmethod
-    def _store_again(st: _Req | None, job: _Job) -> None:
+    def _store_again(st: ReqState | None, job: JobState) -> None:
         """A load failed: vLLM recomputes its blocks, and they are offered to the store
         again (those still held are skipped as present)."""
         if st is not None and job.first_chunk is not None:
             st.stored_upto = min(st.stored_upto, job.first_chunk)
 
-    def _write_through(self, job: _Job) -> None:
+    def _write_through(self, job: JobState) -> None:
         """A store ended well on every worker: its blocks become host hits, and those the
         disk tier takes are written down, their host slots pinned (in the same message:
         no eviction in between) until the write ends."""
@@ -1137,7 +1050,7 @@ class SchedulerSide:
         """A disk write job for the next step: ``keys`` from host slots ``host`` (pinned,
         or DEMOTING) into the disk tier's ``places``."""
         write_id = self._new_job_id()
-        self._jobs[write_id] = _Job(
+        self._jobs[write_id] = JobState(
             job_id=write_id,
             req_id="",
             is_store=True,
@@ -1153,7 +1066,7 @@ class SchedulerSide:
             DiskWriteSpec(job_id=write_id, chunks=DiskChunks(keys=keys, slots=host))
         )
 
-    def _end_disk_write(self, job: _Job) -> None:
+    def _end_disk_write(self, job: JobState) -> None:
         if self.disk is None:
             return
         n = len(job.disk_keys)
