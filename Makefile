@@ -15,7 +15,7 @@ FLOOR_TESTS := tests/actors tests/cache tests/transfer tests/traces tests/tiers 
 	tests/test_ferry.py tests/test_private_api.py --ignore=tests/transfer/test_cuda_engine.py \
 	-k "not cuda-logic and not test_every_path_writes_the_same_host_rows"
 
-.PHONY: demo test lint test-main test-floor bench venv clean redis-server
+.PHONY: demo test lint test-main test-floor bench venv clean redis-server fio
 
 # The Redis tier's tests and benchmark start their own redis-server processes (Debian's
 # package, which brings redis-cli); installed here when missing (root, as in CI). The
@@ -23,6 +23,10 @@ FLOOR_TESTS := tests/actors tests/cache tests/transfer tests/traces tests/tiers 
 redis-server:
 	@command -v redis-server >/dev/null && command -v redis-cli >/dev/null || \
 		(apt-get update -qq && apt-get install -y -qq redis-server)
+
+# benchmarks/tiers.py measures the disk tier against fio (Debian's package) on the same path.
+fio:
+	@command -v fio >/dev/null || (apt-get update -qq && apt-get install -y -qq fio)
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -69,8 +73,8 @@ test-main: $(STAMP)
 test-floor: $(FLOOR_STAMP)
 	$(FPY) -m pytest -q -p no:cacheprovider $(FLOOR_TESTS)
 
-bench: $(STAMP) redis-server
-	@for b in benchmarks/*.py; do echo "== $$b"; $(VPY) $$b || exit 1; done
+bench: $(STAMP) redis-server fio
+	@for b in benchmarks/[!_]*.py; do echo "== $$b"; $(VPY) $$b || exit 1; done
 
 clean:
 	rm -rf $(VENV) $(FLOOR) traces/*.json

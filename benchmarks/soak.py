@@ -358,7 +358,8 @@ def first_difference(a: list[int], b: list[int]) -> int:
 
 def run_soak(
     *,
-    minutes: float,
+    minutes: float | None = None,
+    waves: int | None = None,
     seed: int = 0,
     rates: dict[str, float] | None = None,
     engine_blocks: int = 24,
@@ -370,7 +371,12 @@ def run_soak(
     workdir: str | None = None,
     log: Any = print,
 ) -> dict[str, Any]:
-    """Run the soak and its baseline; return the figures (see the module docstring)."""
+    """Run the soak and its baseline; return the figures (see the module docstring).
+
+    Traffic runs for ``minutes`` of wall time, or for exactly ``waves`` waves (the same
+    traffic on a busy machine as on a quiet one: what the tests use); give one."""
+    if (minutes is None) == (waves is None):
+        raise ValueError("run_soak: give minutes or waves, not both")
     from kvferry.testing import (
         TINY_LLAMA_CONFIG,
         FaultPlan,
@@ -415,9 +421,9 @@ def run_soak(
         eng = Engine(name="kvferry", llm=llm, off=False, stall_s=stall_s)
         startup_s = time.monotonic() - t_start
         t0 = time.monotonic()
-        end = t0 + minutes * 60
+        end = t0 + minutes * 60 if minutes is not None else float("inf")
         try:
-            while time.monotonic() < end:
+            while time.monotonic() < end and (waves is None or len(mix.waves) < waves):
                 wave = mix.next_wave()
                 try:
                     res = eng.run_wave(wave)

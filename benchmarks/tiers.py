@@ -538,7 +538,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.only != "qa" and shutil.which("fio") is None:
-        raise SystemExit("fio is not installed (apt-get install -y fio)")
+        raise SystemExit("fio is not installed (make bench installs it; or apt-get install -y fio)")
     result: dict[str, Any] = {}
     if args.only != "qa":
         result |= fio_part(args)

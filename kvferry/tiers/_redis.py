@@ -96,10 +96,11 @@ def redact_url(url: str) -> str:
         parts = urllib.parse.urlsplit(url)
         if parts.password is None:
             return url
-        user = parts.username or ""
-        host = parts.hostname or ""
-        port = f":{parts.port}" if parts.port is not None else ""
-        return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))
+        userinfo, _, hostport = parts.netloc.rpartition("@")
+        netloc = f"{userinfo.split(':', 1)[0]}:***@{hostport}"  # the host as written
+        return urllib.parse.urlunsplit(
+            (parts.scheme, netloc, parts.path, parts.query, parts.fragment)
+        )
     except ValueError:
         return "<a URL that does not parse; not shown, it may hold a password>"
 

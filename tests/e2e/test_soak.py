@@ -19,7 +19,9 @@ import pytest
 pytestmark = pytest.mark.e2e
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
-TRAFFIC_MINUTES = 0.5
+# A fixed number of waves, not a time budget: the same traffic (and so the same mix of
+# requests and faults drawn) however busy the machine is. 24 waves are about 30 s here.
+TRAFFIC_WAVES = 24
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +36,7 @@ def soak_module() -> ModuleType:
 @pytest.fixture(scope="module")
 def soak(soak_module: ModuleType, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     figures: dict[str, Any] = soak_module.run_soak(
-        minutes=TRAFFIC_MINUTES,
+        waves=TRAFFIC_WAVES,
         seed=12,
         rates=soak_module.DEFAULT_RATES,
         workdir=str(tmp_path_factory.mktemp("soak")),
@@ -137,7 +139,7 @@ def test_an_exception_inside_the_transfer_actor_does_not_kill_the_engine(
     soak_module: ModuleType, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     figures = soak_module.run_soak(
-        minutes=0.25,
+        waves=12,
         seed=5,
         rates={"crash": 0.2},
         baseline="none",
