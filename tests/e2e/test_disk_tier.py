@@ -556,6 +556,11 @@ def evict_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Evi
         run.metrics = kvferry_metrics(llm)
     finally:
         close_engine(llm)
+    print(
+        f"on_evict: {len(run.files_after_pass1)} of {len(MAIN) * CHUNKS} blocks written down "
+        f"after pass 1; pass 2 tokens from disk "
+        f"{[run.pass2[d].from_disk for d in MAIN]}, loaded {[run.pass2[d].loaded for d in MAIN]}"
+    )
     return run
 
 
