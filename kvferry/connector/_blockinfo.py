@@ -34,10 +34,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 
+from .._errors import InvariantError
+from .._logging import get_logger
 from ..cache import BlockInfo
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
+
+_log = get_logger("kvferry.connector", role="scheduler")
 
 
 class ChunkSource(Protocol):
@@ -117,7 +121,11 @@ class BlockBook:
         groups: Sequence[GroupSpec] = (GroupSpec(),),
         max_entries: int = 1 << 16,
     ) -> None:
-        assert chunk_tokens > 0 and hashes_per_chunk > 0 and groups and max_entries > 0
+        if chunk_tokens <= 0 or hashes_per_chunk <= 0 or not groups or max_entries <= 0:
+            raise ValueError(
+                "BlockBook needs chunk_tokens, hashes_per_chunk and max_entries > 0 and a "
+                f"group: got {chunk_tokens}, {hashes_per_chunk}, {max_entries}, {len(groups)}"
+            )
         self.chunk_tokens = chunk_tokens
         self.hashes_per_chunk = hashes_per_chunk
         self.groups = tuple(groups)
@@ -127,6 +135,8 @@ class BlockBook:
         self._retired: set[bytes] = set()
         self.entries_evicted = 0
         self.keys_without_info = 0
+        self.chunks_without_facts = 0
+        """Chunks planned beyond the hashes or tokens their request holds (a bug: logged)."""
 
     def __len__(self) -> int:
         return len(self._chunks)
@@ -140,7 +150,20 @@ class BlockBook:
         """
         ct, hpc = self.chunk_tokens, self.hashes_per_chunk
         hashes, token_ids = request.block_hashes, request.all_token_ids
-        assert upto * hpc <= len(hashes) and upto * ct <= len(token_ids), (upto, len(hashes))
+        held = min(len(hashes) // hpc, len(token_ids) // ct)
+        if upto > held:
+            # A bug in the caller's plan: the chunks the request does not hold are not
+            # recorded (their events carry the placeholder), and the engine goes on.
+            self.chunks_without_facts += upto - max(first, held)
+            error = InvariantError("chunk_facts_missing", "not recorded")
+            _log.error(
+                "invariant_broken",
+                invariant=error.invariant,
+                error=str(error),
+                upto=upto,
+                held=held,
+            )
+            upto = held
         lora = request.lora_request
         refs = len(self.groups)
         for c in range(first, upto):

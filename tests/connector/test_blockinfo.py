@@ -193,3 +193,16 @@ def test_group_specs_are_vllms() -> None:
         GroupSpec(kind="full_attention", sliding_window=None),
         GroupSpec(kind="sliding_window", sliding_window=64),
     )
+
+
+def test_chunks_beyond_what_the_request_holds_are_not_recorded_and_counted() -> None:
+    b = book()
+    r = fake_request(2)
+    b.record_chunks(r, 0, 4)  # a bug in the plan: the request holds 2 chunks
+    assert b.chunks_without_facts == 2 and len(b) == 2
+    assert b.describe(key(r, 1)) is not None
+
+
+def test_a_book_without_groups_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="BlockBook needs"):
+        BlockBook(chunk_tokens=128, hashes_per_chunk=1, groups=())
