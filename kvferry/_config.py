@@ -101,7 +101,130 @@ class DiskTierConfig:
     )
 
 
-def parse_tiers(value: Any) -> tuple[DiskTierConfig, ...]:
+@attrs.frozen(kw_only=True)
+class RedisTierConfig:
+    """One ``{"kind": "redis", ...}`` entry of ``tiers``: chunks shared through a Redis
+    server (``url``) or a Redis Cluster (``cluster``) by every engine of one fingerprint."""
+
+    index: int
+    url: str | None = None
+    """``redis://[user:password@]host:port/db`` (``rediss://`` for TLS)."""
+    cluster: tuple[str, ...] | None = None
+    """URLs of any of a Redis Cluster's nodes (user, password, TLS from the first)."""
+    ttl_s: int | None = 24 * 3600
+    """Each chunk expires this long after its write (None: never)."""
+    lookup_wait_ms: float = 50.0
+    """How long a lookup may say "ask again" while the tier's existence check is out;
+    then chunks not yet answered for are misses."""
+    op_timeout_s: float = 1.0
+    """Bound on every Redis operation (a pipeline of a batch)."""
+    connect_timeout_s: float = 5.0
+    """Bound on the first connection, at engine start."""
+    encrypt_key: str | None = None
+    """AES-GCM key (hex of 16, 24 or 32 bytes): values sealed at rest."""
+    io_depth: int = 4
+    """Batches in flight at once, per worker."""
+    max_queued_writes: int = 256
+    """Writes queued per worker beyond which stores are dropped (counted), never waited for."""
+    breaker_threshold: int = 5
+    """Consecutive failed operations that open the circuit breaker."""
+    breaker_cooldown_s: float = 5.0
+    """How long an open breaker stops sending before it probes the server again."""
+    bytes_to_use: int | None = None
+    """Informational: the server's ``maxmemory`` decides what Redis keeps."""
+    kind: Literal["redis"] = "redis"
+
+    KEYS = (
+        "kind",
+        "url",
+        "cluster",
+        "ttl_s",
+        "lookup_wait_ms",
+        "op_timeout_s",
+        "connect_timeout_s",
+        "encrypt_key",
+        "io_depth",
+        "max_queued_writes",
+        "breaker_threshold",
+        "breaker_cooldown_s",
+        "bytes_to_use",
+    )
+
+    @property
+    def write(self) -> Literal["through"]:
+        """Every block stored to host memory is written to Redis in the background."""
+        return "through"
+
+
+TierConfig = DiskTierConfig | RedisTierConfig
+
+
+def _parse_redis(i: int, entry: Mapping[str, Any]) -> RedisTierConfig:
+    name = f"tiers[{i}]"
+    unknown = sorted(set(entry) - set(RedisTierConfig.KEYS))
+    if unknown:
+        raise ConfigError(
+            f"{name}.{unknown[0]}",
+            f"unknown key (known keys: {', '.join(RedisTierConfig.KEYS)})",
+        )
+    url, cluster = entry.get("url"), entry.get("cluster")
+    if (url is None) == (cluster is None):
+        raise ConfigError(f"{name}.url", "give either url or cluster (a list of URLs), not both")
+    if url is not None and (not isinstance(url, str) or not url):
+        raise ConfigError(f"{name}.url", "must be a redis:// or rediss:// URL")
+    nodes: tuple[str, ...] | None = None
+    if cluster is not None:
+        if isinstance(cluster, str) or not isinstance(cluster, list | tuple) or not cluster:
+            raise ConfigError(f"{name}.cluster", "must be a non-empty list of redis:// URLs")
+        if not all(isinstance(u, str) and u for u in cluster):
+            raise ConfigError(f"{name}.cluster", "must be a non-empty list of redis:// URLs")
+        nodes = tuple(cluster)
+    ttl = entry.get("ttl_s", 24 * 3600)
+    if ttl is not None:
+        ttl = _positive_int(f"{name}.ttl_s", ttl)
+    key = entry.get("encrypt_key")
+    if key is not None and not isinstance(key, str):
+        raise ConfigError(f"{name}.encrypt_key", "must be a hex string of 16, 24 or 32 bytes")
+    size = entry.get("bytes_to_use")
+    if size is not None:
+        size = _positive_int(f"{name}.bytes_to_use", size)
+    queued = entry.get("max_queued_writes", 256)
+    if isinstance(queued, bool) or not isinstance(queued, int) or queued < 0:
+        raise ConfigError(
+            f"{name}.max_queued_writes", f"must be a whole number >= 0, got {queued!r}"
+        )
+    return RedisTierConfig(
+        index=i,
+        url=url,
+        cluster=nodes,
+        ttl_s=ttl,
+        lookup_wait_ms=_non_negative_float(
+            f"{name}.lookup_wait_ms", entry.get("lookup_wait_ms", 50.0)
+        ),
+        op_timeout_s=_positive_float(f"{name}.op_timeout_s", entry.get("op_timeout_s", 1.0)),
+        connect_timeout_s=_positive_float(
+            f"{name}.connect_timeout_s", entry.get("connect_timeout_s", 5.0)
+        ),
+        encrypt_key=key,
+        io_depth=_positive_int(f"{name}.io_depth", entry.get("io_depth", 4)),
+        max_queued_writes=queued,
+        breaker_threshold=_positive_int(
+            f"{name}.breaker_threshold", entry.get("breaker_threshold", 5)
+        ),
+        breaker_cooldown_s=_positive_float(
+            f"{name}.breaker_cooldown_s", entry.get("breaker_cooldown_s", 5.0)
+        ),
+        bytes_to_use=size,
+    )
+
+
+def _non_negative_float(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise ConfigError(key, f"must be a number >= 0, got {value!r}")
+    return float(value)
+
+
+def parse_tiers(value: Any) -> tuple[TierConfig, ...]:
     """``tiers``: a list of dicts; every error names ``tiers[i].<key>``.
 
     ``path`` is checked here for its type only: whether it can be written is found when
@@ -115,14 +238,19 @@ def parse_tiers(value: Any) -> tuple[DiskTierConfig, ...]:
         entries = list(value)
     except TypeError:
         raise ConfigError("tiers", f"must be a list of tier dicts, got {value!r}") from None
-    out = []
+    out: list[TierConfig] = []
     for i, entry in enumerate(entries):
         name = f"tiers[{i}]"
         if not isinstance(entry, Mapping):
             raise ConfigError(name, f"must be a dict, got {entry!r}")
         kind = entry.get("kind")
+        if kind == "redis":
+            out.append(_parse_redis(i, entry))
+            continue
         if kind != "disk":
-            raise ConfigError(f"{name}.kind", f"must be 'disk' (the kinds known), got {kind!r}")
+            raise ConfigError(
+                f"{name}.kind", f"must be 'disk' or 'redis' (the kinds known), got {kind!r}"
+            )
         unknown = sorted(set(entry) - set(DiskTierConfig.KEYS))
         if unknown:
             raise ConfigError(
@@ -170,7 +298,11 @@ def parse_tiers(value: Any) -> tuple[DiskTierConfig, ...]:
             )
         )
     if len(out) > 1:
-        raise ConfigError("tiers[1]", "one disk tier is supported below host memory")
+        raise ConfigError(
+            "tiers[1]",
+            "one tier below host memory is supported today: a disk tier or a redis tier "
+            "(both together are not available yet)",
+        )
     return tuple(out)
 
 
@@ -203,8 +335,8 @@ class FerryConfig:
     store_decoded: bool = True
     """Store blocks of generated tokens too (a conversation's next turn reuses them);
     False stores prompt blocks only, as vLLM's OffloadingConnector does by default."""
-    tiers: tuple[DiskTierConfig, ...] = ()
-    """Tiers below host memory, in order (today: at most one ``"disk"`` tier)."""
+    tiers: tuple[TierConfig, ...] = ()
+    """Tiers below host memory, in order (today: at most one, ``"disk"`` or ``"redis"``)."""
 
     KEYS = (
         "cpu_bytes_to_use",
@@ -266,6 +398,13 @@ class FerryConfig:
             )
         make_policy(policy, 1)  # raises a ConfigError naming eviction_policy
         tiers = parse_tiers(extra.get("tiers", ()))
+        if runtime == "stepped" and any(isinstance(t, RedisTierConfig) for t in tiers):
+            # The stepped runtime runs its loop only inside the engine's calls: a socket
+            # would make no progress between steps.
+            raise ConfigError(
+                "runtime",
+                "a redis tier needs the loop-thread runtime ('thread' or 'auto'), got 'stepped'",
+            )
         # Written down on eviction, an evicted block frees its host slot only once its
         # write ended: the evictor keeps room free ahead of the stores that need it.
         on_evict = any(t.write == "on_evict" for t in tiers)

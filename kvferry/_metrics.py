@@ -76,7 +76,7 @@ METRICS: tuple[Metric, ...] = (
     _counter(
         "tokens_hit",
         "tokens",
-        "Tokens found in kvferry's tiers: host memory or disk (lookup hits).",
+        "Tokens found in kvferry's tiers: host memory, disk or Redis (lookup hits).",
     ),
     _counter("tokens_missed", "tokens", "Tokens asked for that kvferry did not hold."),
     _counter(
@@ -136,6 +136,45 @@ METRICS: tuple[Metric, ...] = (
         "Chunk writes skipped or failed (tier full, disk full, no permission, I/O error).",
     ),
     _counter("disk_evictions", "blocks", "Offloaded blocks evicted from the disk tier."),
+    _counter(
+        "redis_tokens_hit",
+        "tokens",
+        "Of tokens_hit, those of blocks read from the shared Redis tier (not in host memory).",
+    ),
+    _counter("redis_read_bytes", "bytes", "Bytes read from the Redis tier into host memory."),
+    _counter("redis_write_bytes", "bytes", "Bytes written from host memory to the Redis tier."),
+    _counter("redis_read_seconds", "seconds", "Seconds spent reading chunks from Redis."),
+    _counter("redis_write_seconds", "seconds", "Seconds spent writing chunks to Redis."),
+    _counter(
+        "redis_blocks_written", "blocks", "Offloaded blocks written to Redis (on every worker)."
+    ),
+    _counter(
+        "redis_blocks_corrupt",
+        "blocks",
+        "Redis values that failed verification on a read (header, fingerprint, checksum, "
+        "decryption): a miss each, deleted, never loaded.",
+    ),
+    _counter(
+        "redis_reads_failed",
+        "blocks",
+        "Chunk reads from Redis that failed for any reason (gone, corrupt, timeout, Redis "
+        "down): their loads were recomputed.",
+    ),
+    _counter(
+        "redis_writes_failed",
+        "blocks",
+        "Chunk writes to Redis skipped or failed (queue full, Redis full, timeout, down).",
+    ),
+    _counter(
+        "redis_lookups_waited",
+        "lookups",
+        "Lookups answered 'ask again' while the Redis tier's existence check was out.",
+    ),
+    _counter(
+        "redis_lookups_unanswered",
+        "lookups",
+        "Lookups that went on without Redis's answer after lookup_wait_ms (misses).",
+    ),
     _counter(
         "unknown_metrics",
         "values",

@@ -1,6 +1,10 @@
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
+
+from .tiers.redis_servers import RedisServer
 
 
 @pytest.fixture
@@ -17,3 +21,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """One real redis-server for the module's tests (those of the Redis tier flush it)."""
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.kill()

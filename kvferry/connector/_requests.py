@@ -63,7 +63,11 @@ class ReqState:
     counts: tuple[int, int] | None = None
     """(tokens asked, tokens hit) of the last lookup, counted once the request is admitted."""
     disk_tokens: int = 0
-    """Of the last lookup's hit, the tokens of chunks read from the disk tier."""
+    """Of the last lookup's hit, the tokens of chunks read from the tier below host memory
+    (disk or Redis)."""
+    redis_wait_since: float | None = None
+    """When this request's lookup first said "ask again" for a Redis existence check
+    (``lookup_wait_ms`` runs from then); None once it went on."""
     load_job: int | None = None
     store_jobs: set[int] = attrs.field(factory=set)
     keys: list[bytes] = attrs.field(factory=list)

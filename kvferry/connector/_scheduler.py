@@ -31,7 +31,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .. import traces
-from .._config import FerryConfig
+from .._config import DiskTierConfig, FerryConfig, RedisTierConfig
 from .._errors import InvariantError
 from .._logging import get_logger
 from .._metrics import counter_values, gauge_values
@@ -67,6 +67,7 @@ from ._planner import (
     plan_store,
     storable_chunks,
 )
+from ._redis_tier import RedisTier, RedisTierStatistics
 from ._requests import DiskLease, JobState, ReqState, parse_request_params
 from ._tiers import check_hash_algo, disk_fingerprint
 
@@ -111,11 +112,24 @@ class SchedulerStatistics:
     disk_writes_failed: int = 0
     disk_hits_cut: int = 0
     """Lookups whose disk hit was cut short: no host slot to read a chunk into."""
+    redis_tokens_hit: int = 0
+    redis_read_bytes: int = 0
+    redis_read_seconds: float = 0.0
+    redis_write_bytes: int = 0
+    redis_write_seconds: float = 0.0
+    redis_chunks_written: int = 0
+    redis_chunks_corrupt: int = 0
+    redis_reads_failed: int = 0
+    redis_writes_failed: int = 0
+    redis_hits_cut: int = 0
+    """Lookups whose Redis hit was cut short: no host slot to read a chunk into."""
     host_blocks_demoted: int = 0
     """``write: "on_evict"``: blocks host memory evicted, each then written down or
     (already on disk, not admitted, no room) dropped."""
     disk: DirectoryStatistics | None = None
     """The disk tier's directory (None without a disk tier)."""
+    redis: RedisTierStatistics | None = None
+    """The Redis tier's existence checks (None without a Redis tier)."""
 
 
 class SchedulerSide:
@@ -170,6 +184,16 @@ class SchedulerSide:
                 "disk_writes_failed",
                 "disk_hits_cut",
                 "host_blocks_demoted",
+                "redis_tokens_hit",
+                "redis_read_bytes",
+                "redis_read_seconds",
+                "redis_write_bytes",
+                "redis_write_seconds",
+                "redis_chunks_written",
+                "redis_chunks_corrupt",
+                "redis_reads_failed",
+                "redis_writes_failed",
+                "redis_hits_cut",
             ),
             0,
         )
@@ -206,6 +230,12 @@ class SchedulerSide:
         )
 
         self.disk: DiskTier | None = None
+        self.redis: RedisTier | None = None
+        self.lower: DiskTier | RedisTier | None = None
+        """The tier below host memory (disk or Redis): its hits are read into host slots
+        reserved at the lookup, and loaded with the rest (the "disk" paths below)."""
+        self._lower_name = "disk"
+        """The prefix of the lower tier's counters ("disk" or "redis")."""
         self._disk_leases: dict[str, DiskLease] = {}
         """Request -> the disk part of its last lookup's hit: keys leased (pinned) in the
         disk tier, and the host slots reserved to read them into."""
@@ -217,13 +247,20 @@ class SchedulerSide:
                 disk_fingerprint(vllm_config, kv_cache_config, geo.chunk_tokens, rank)
                 for rank in range(self.world_size)
             ]
-            self.disk = DiskTier(
-                cfg.tiers[0],
-                fingerprints,
-                geo.row_bytes * geo.blocks_per_chunk,
-                events=self.events_enabled,
-            )
-            self.disk.scan()
+            tier = cfg.tiers[0]
+            if isinstance(tier, DiskTierConfig):
+                self.disk = self.lower = DiskTier(
+                    tier,
+                    fingerprints,
+                    geo.row_bytes * geo.blocks_per_chunk,
+                    events=self.events_enabled,
+                )
+                self.disk.scan()
+            elif isinstance(tier, RedisTierConfig):
+                self.redis = self.lower = RedisTier(
+                    tier, fingerprints, events=self.events_enabled, clock=clock
+                )
+                self._lower_name = "redis"
 
         async def setup(system: ActorSystem) -> ActorRef[DirectoryMsg]:
             tier = await spawn_host_tier(
@@ -308,14 +345,22 @@ class SchedulerSide:
         # it before update_state_after_alloc turns the lease into the load's pins, and the
         # lease ends with this schedule() pass (build_connector_meta) if it does not.
         self._release_lease(request.request_id)
-        disk = self.disk
-        each = geo.hybrid or disk is not None
+        lower = self.lower
+        each = geo.hybrid or lower is not None
         lease: Lease = self._ask(lambda r: LookupAndPin(keys=tuple(keys), each=each, reply=r))
         on_disk = None
-        if disk is not None:
-            # The longest prefix held by host memory or disk, chunk by chunk.
+        if lower is not None:
+            # The longest prefix held by host memory or the tier below, chunk by chunk.
             host = lease.ready if lease.ready is not None else np.zeros(len(keys), np.bool_)
-            on_disk = disk.ready(keys) & ~host
+            if self.redis is not None:
+                below = self._redis_known(st, keys, host)
+                if below is None:  # its existence check is out: vLLM asks again next step
+                    st.lookup = st.counts = None
+                    self._unpin(lease.slots)
+                    return None, False
+            else:
+                below = lower.ready(keys)
+            on_disk = below & ~host
             ready = host | on_disk
             if geo.hybrid:
                 hit_chunks = first + windowed_hit(ready.reshape(-1, geo.num_groups), geo.windows)
@@ -369,6 +414,39 @@ class SchedulerSide:
             st.disk_tokens = int(in_hit.reshape(-1, geo.num_groups).any(axis=1).sum()) * ct
         return new_tokens, True
 
+    def _redis_known(
+        self, st: ReqState, keys: list[bytes], host: npt.NDArray[np.bool_]
+    ) -> npt.NDArray[np.bool_] | None:
+        """Which keys Redis holds, as far as its answers say; None while an existence
+        check of keys that could extend the hit is out and ``lookup_wait_ms`` has not
+        passed since this request first waited (then unanswered keys are misses)."""
+        redis = self.redis
+        if redis is None:
+            return np.zeros(len(keys), np.bool_)
+        present, unknown = redis.known(keys)
+        unknown &= ~host
+        if self.geometry.hybrid:
+            open_ = unknown
+        else:
+            # Only keys before the first one known to be nowhere can extend the hit.
+            nowhere = ~(host | present | unknown)
+            end = int(np.argmax(nowhere)) if nowhere.any() else len(keys)
+            open_ = unknown.copy()
+            open_[end:] = False
+        if not open_.any():
+            st.redis_wait_since = None
+            return present
+        if st.redis_wait_since is None:
+            st.redis_wait_since = self._clock()
+        # Asked even when giving up: the answer serves the next lookup of these keys.
+        redis.ask([k for k, o in zip(keys, open_.tolist(), strict=True) if o])
+        if redis.waited(st.redis_wait_since):
+            redis.count_wait(gave_up=False)
+            return None
+        redis.count_wait(gave_up=True)
+        st.redis_wait_since = None
+        return present
+
     def _reserve_disk_hit(
         self,
         keys: list[bytes],
@@ -381,7 +459,7 @@ class SchedulerSide:
         and host slots reserved for it now (STORING: the load reads into them, neither a
         hit nor evictable meanwhile). The hit is cut before the first chunk no host slot
         is left for: the hit announced can always be loaded. Returns the hit (chunks)."""
-        disk = self.disk
+        disk = self.lower
         if disk is None:
             return hit_chunks, None
         geo = self.geometry
@@ -401,7 +479,7 @@ class SchedulerSide:
                 hit_chunks = first + windowed_hit(cut_ready.reshape(-1, G), geo.windows)
             else:
                 hit_chunks = first + cut
-            self._c["disk_hits_cut"] += 1
+            self._c[f"{self._lower_name}_hits_cut"] += 1
             keep = idx < (hit_chunks - first) * G
             drop = reserved[~keep]
             drop = drop[drop >= 0]
@@ -427,7 +505,7 @@ class SchedulerSide:
             self._c["tokens_hit"] += hit
             self._c["tokens_missed"] += asked - hit
             if num_external_tokens:
-                self._c["disk_tokens_hit"] += min(st.disk_tokens, hit)
+                self._c[f"{self._lower_name}_tokens_hit"] += min(st.disk_tokens, hit)
         lease = self._leases.pop(request.request_id, None)
         disk_lease = self._disk_leases.pop(request.request_id, None)
         if num_external_tokens == 0:
@@ -527,9 +605,9 @@ class SchedulerSide:
 
     def _unpin_disk(self, disk_lease: DiskLease | None) -> None:
         """Release a disk lease: its pins in the disk tier, its reserved host slots."""
-        if disk_lease is None or self.disk is None:
+        if disk_lease is None or self.lower is None:
             return
-        self.disk.unpin(disk_lease[1])
+        self.lower.unpin(disk_lease[1])
         if len(disk_lease[2]):
             self.directory_tell(CompleteStore(slots=disk_lease[2], ok=False))
 
@@ -636,6 +714,8 @@ class SchedulerSide:
         self._prepare_stores(plans)
         if self.disk is not None and self.disk.write_back:
             self._demote()
+        if self.redis is not None:
+            self.redis.flush()  # this step's existence checks, one batch
 
         meta = KVFerryMetadata(
             loads=self._pending_loads,
@@ -646,8 +726,8 @@ class SchedulerSide:
         )
         self._pending_loads, self._pending_stores, self._pending_releases = [], [], []
         self._pending_failed_loads = []
-        if self.disk is not None:
-            meta.disk_deletes = self.disk.take_deletes()
+        if self.lower is not None:
+            meta.disk_deletes = self.lower.take_deletes()
             meta.disk_writes, self._pending_disk_writes = self._pending_disk_writes, []
         return meta
 
@@ -745,6 +825,24 @@ class SchedulerSide:
                     disk_evictions=dd.evictions,
                 )
             )
+        redis = self.redis
+        if redis is not None:
+            rs = redis.statistics()
+            now.update(
+                counter_values(
+                    redis_tokens_hit=c["redis_tokens_hit"],
+                    redis_read_bytes=c["redis_read_bytes"],
+                    redis_read_seconds=c["redis_read_seconds"],
+                    redis_write_bytes=c["redis_write_bytes"],
+                    redis_write_seconds=c["redis_write_seconds"],
+                    redis_blocks_written=c["redis_chunks_written"],
+                    redis_blocks_corrupt=c["redis_chunks_corrupt"],
+                    redis_reads_failed=c["redis_reads_failed"],
+                    redis_writes_failed=c["redis_writes_failed"],
+                    redis_lookups_waited=rs.lookups_waited,
+                    redis_lookups_unanswered=rs.lookups_unanswered,
+                )
+            )
         deltas = {k: v - self._reported.get(k, 0) for k, v in now.items()}
         self._reported = now
         counters = {k: v for k, v in deltas.items() if v}
@@ -772,10 +870,10 @@ class SchedulerSide:
         """Clear the host tier. Jobs in flight end normally; stores that were in flight are
         then discarded instead of becoming visible."""
         dropped = self._ask(lambda r: ResetCache(reply=r))
-        if self.disk is not None:
-            # Its files are deleted with the next step (take_deletes); writes in flight
-            # end unseen.
-            dropped += self.disk.reset()
+        if self.lower is not None:
+            # The disk's files are deleted with the next step (take_deletes); writes in
+            # flight end unseen. Redis forgets its answers (the chunks are shared).
+            dropped += self.lower.reset()
         self._dir_dirty = True
         self._stale_jobs.update(j for j, job in self._jobs.items() if job.is_store)
         for st in self._reqs.values():
@@ -788,8 +886,8 @@ class SchedulerSide:
         if not self.events_enabled:
             return []
         events = self._ask(lambda r: TakeEvents(reply=r))
-        if self.disk is not None:
-            events = list(events) + self.disk.take_events()
+        if self.lower is not None:
+            events = list(events) + self.lower.take_events()
         out = to_vllm_events(events, describe=self._book.describe)
         self._book.drop_retired()  # every store retired so far had its event in these
         return out
@@ -807,8 +905,9 @@ class SchedulerSide:
     def statistics(self) -> SchedulerStatistics:
         directory = self._ask(lambda r: GetStatistics(reply=r))
         disk = self.disk.statistics() if self.disk is not None else None
+        redis = self.redis.statistics() if self.redis is not None else None
         return SchedulerStatistics(
-            jobs_in_flight=len(self._jobs), directory=directory, disk=disk, **self._c
+            jobs_in_flight=len(self._jobs), directory=directory, disk=disk, redis=redis, **self._c
         )
 
     def shutdown(self) -> None:
@@ -816,6 +915,8 @@ class SchedulerSide:
         if self._provider is not None:
             self._provider.shutdown()
         self.runtime.close()
+        if self.redis is not None:
+            self.redis.close()
 
     # -- internals ---------------------------------------------------------------------
 
@@ -874,7 +975,7 @@ class SchedulerSide:
                 slots=plan.slots,
                 tokens=plan.tokens,
                 fenced=plan.fenced,
-                keys=plan.keys if self.disk is not None else (),
+                keys=plan.keys if self.lower is not None else (),
                 event_keys=plan_keys,
             )
             for block in plan.fenced:
@@ -966,7 +1067,7 @@ class SchedulerSide:
         """A load's disk chunks, once every worker reported: read everywhere, their host
         slots become READY (the blocks are in host memory now); else dropped, and a
         chunk that failed is dropped from the disk tier too (its files deleted)."""
-        if not job.disk_keys or self.disk is None:
+        if not job.disk_keys or self.lower is None:
             return
         n = len(job.disk_keys)
         failed = job.disk_failed
@@ -978,9 +1079,9 @@ class SchedulerSide:
             self.directory_tell(CompleteStore(slots=slots[ok], ok=True))
         if not ok.all():
             self.directory_tell(CompleteStore(slots=slots[~ok], ok=False))
-        self.disk.unpin(job.disk_slots)
+        self.lower.unpin(job.disk_slots)
         if job.disk_failed is not None:
-            self.disk.reads_ended(job.disk_keys, failed)
+            self.lower.reads_ended(job.disk_keys, failed)
 
     @staticmethod
     def _store_again(st: ReqState | None, job: JobState) -> None:
@@ -993,9 +1094,9 @@ class SchedulerSide:
         """A store ended well on every worker: its blocks become host hits, and those the
         disk tier takes are written down, their host slots pinned (in the same message:
         no eviction in between) until the write ends."""
-        if self.disk is None:
+        if self.lower is None:
             return
-        places = self.disk.prepare_writes(job.keys)
+        places = self.lower.prepare_writes(job.keys)
         chosen = places >= 0
         self.directory_tell(CompleteStore(slots=job.slots, ok=True, pin=job.slots[chosen]))
         keys = [k for k, c in zip(job.keys, chosen.tolist(), strict=True) if c]
@@ -1069,13 +1170,13 @@ class SchedulerSide:
         )
 
     def _end_disk_write(self, job: JobState) -> None:
-        if self.disk is None:
+        if self.lower is None:
             return
         n = len(job.disk_keys)
         failed = job.disk_failed
         if failed is None or len(failed) != n:
             failed = np.full(n, self.world_size, np.int64)
-        self._c["disk_chunks_written"] += self.disk.writes_ended(
+        self._c[f"{self._lower_name}_chunks_written"] += self.lower.writes_ended(
             job.disk_slots, job.disk_keys, failed
         )
         self._book.retire(job.event_keys)
@@ -1132,8 +1233,8 @@ class SchedulerSide:
             if job.is_store:
                 stale = job_id in self._stale_jobs
                 self._stale_jobs.discard(job_id)
-                if self.disk is not None and job.keys and not job.failed and not stale:
-                    if self.disk.write_back:
+                if self.lower is not None and job.keys and not job.failed and not stale:
+                    if self.lower.write_back:
                         # Written down when host memory evicts them (_demote): their
                         # block facts are kept until then.
                         self.directory_tell(CompleteStore(slots=job.slots, ok=True))

@@ -43,7 +43,7 @@ def check_hash_algo(vllm_config: VllmConfig) -> str:
     if algo in _RANDOM_SEEDED_ALGOS and os.environ.get("PYTHONHASHSEED") is None:
         raise ConfigError(
             "tiers",
-            f"a disk tier needs block hashes that are the same in every process, but "
+            f"a disk or redis tier needs block hashes that are the same in every process, but "
             f"prefix_caching_hash_algo={algo!r} is seeded at random per process: set "
             "prefix_caching_hash_algo='sha256' (or 'sha256_cbor') in vLLM's cache config "
             "(--prefix-caching-hash-algo), or set PYTHONHASHSEED to one shared value",

@@ -24,6 +24,14 @@ The disk tier, on this side:
   scheduler keeps pinned until the write's ack);
 - every disk job's per-chunk outcome goes back in ``disk_failed`` with the job's ack, in
   the same worker metadata.
+
+The Redis tier, on this side, takes the disk tier's paths with a
+:class:`~kvferry.tiers.RedisIOActor` (the same messages) in place of the disk actor: a
+:class:`~kvferry.tiers.RedisStore` for this rank's fingerprint, connected at start (a URL
+that does not parse or a server that cannot be reached fails the start, naming the key);
+no scan, no layout file (the layout is in the fingerprint). Its sockets need a loop that
+runs between engine steps: with a Redis tier the actors run on a loop thread (the
+``"thread"`` runtime; ``"stepped"`` is refused by the configuration).
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ import attrs
 import numpy as np
 
 from .. import traces
-from .._config import DiskTierConfig, FerryConfig, load_object
+from .._config import DiskTierConfig, FerryConfig, RedisTierConfig, load_object
 from .._errors import ConfigError, TransferError
 from .._logging import get_logger
 from ..actors import ActorRef, ActorSystem, SyncRuntime, start_runtime
@@ -53,6 +61,8 @@ from ..tiers import (
     Outcome,
     PollDiskJobs,
     ReadChunks,
+    RedisIOActor,
+    RedisStore,
     ScanDisk,
     ScanReport,
     WriteChunks,
@@ -77,6 +87,7 @@ from ..transfer import (
 from ..transfer._layout import KVLayout, _block_dim
 from ._geometry import Geometry, plan_geometry
 from ._metadata import DiskChunks, JobSpec, KVFerryMetadata, KVFerryWorkerMetadata
+from ._redis_tier import make_store
 from ._tiers import disk_fingerprint
 
 if TYPE_CHECKING:
@@ -97,7 +108,8 @@ _CORRUPT = (Outcome.CORRUPT, Outcome.FOREIGN)
 class _Refs:
     store: ActorRef[TransferMsg]
     load: ActorRef[TransferMsg]
-    disk: ActorRef[DiskIOMsg] | None = None
+    disk: ActorRef[Any] | None = None
+    """The tier below host memory: a DiskIOActor or a RedisIOActor (the same messages)."""
 
 
 @attrs.frozen
@@ -254,6 +266,9 @@ class WorkerSide:
         self._disk_ended: list[DiskJobResult] = []
         """Disk jobs ended without the disk actor (no disk tier on this worker)."""
         self._disk_load_failure_logged = False
+        self.redis: RedisStore | None = None
+        self._lower_name = "disk"
+        """The prefix of the lower tier's counters and log events ("disk" or "redis")."""
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         kcc = self.kv_cache_config
@@ -267,13 +282,22 @@ class WorkerSide:
                 f"the KV tensors hold {layout.row_bytes} bytes per block, more than the "
                 f"{geo.row_bytes} vLLM's KV-cache config announces"
             )
-        tier = self.cfg.tiers[0] if self.cfg.tiers else None
+        tiers = self.cfg.tiers
+        tier = tiers[0] if tiers and isinstance(tiers[0], DiskTierConfig) else None
+        redis_tier = tiers[0] if tiers and isinstance(tiers[0], RedisTierConfig) else None
         if tier is not None:
             # Before the host pool: a bad path or size fails the start at once.
             observed = observed_layout(
                 kv_caches, group_layers, layout, block_stride, geo.blocks_per_chunk
             )
             self.disk = self._open_disk(tier, observed)
+        elif redis_tier is not None:
+            parallel = self.vllm_config.parallel_config
+            fingerprint = disk_fingerprint(
+                self.vllm_config, self.kv_cache_config, geo.chunk_tokens, parallel.rank
+            )
+            self.redis = make_store(redis_tier, fingerprint)
+            self._lower_name = "redis"
         self.pool = HostPool(
             geo.num_slots, geo.blocks_per_chunk, layout.row_bytes, pin=layout.device.type == "cuda"
         )
@@ -283,6 +307,7 @@ class WorkerSide:
         else:
             engine = new_copy_engine(layout, self.pool)
         store_ = self.disk
+        redis_ = self.redis
         # The host pool as the disk actor sees it: a slot (one chunk) per row, no copy.
         slots = self.pool.rows.numpy().reshape(geo.num_slots, -1)
 
@@ -293,15 +318,33 @@ class WorkerSide:
             store = await system.spawn(
                 StoreActor(engine, job_timeout_s=self.cfg.job_timeout_s), name="store"
             )
-            disk = None
+            disk: ActorRef[Any] | None = None
             if store_ is not None and tier is not None:
                 # Spawned after the load actor it chains copies to: stopped before it.
                 disk = await system.spawn(
                     DiskIOActor(store_, slots, io_depth=tier.io_depth), name="disk"
                 )
+            elif redis_ is not None and redis_tier is not None:
+                try:
+                    await redis_.connect()  # a ConfigError naming tiers[i].url if unreachable
+                except BaseException:
+                    await redis_.aclose()
+                    raise
+                disk = await system.spawn(
+                    RedisIOActor(
+                        redis_,
+                        slots,
+                        io_depth=redis_tier.io_depth,
+                        max_queued_writes=redis_tier.max_queued_writes,
+                        job_timeout_s=self.cfg.job_timeout_s,
+                    ),
+                    name="redis",
+                )
             return _Refs(store=store, load=load, disk=disk)
 
-        self.runtime, refs = start_runtime(self.cfg.runtime, setup)
+        # Redis's sockets need a loop running between engine steps: a loop thread.
+        kind = "thread" if redis_ is not None else self.cfg.runtime
+        self.runtime, refs = start_runtime(kind, setup)
         self._refs = refs
         self._engine = engine
         if refs.disk is not None and tier is not None:
@@ -458,7 +501,7 @@ class WorkerSide:
         ]
         self._tell_disk(refs.disk, msgs)
 
-    def _tell_disk(self, ref: ActorRef[DiskIOMsg], msgs: list[DiskIOMsg]) -> None:
+    def _tell_disk(self, ref: ActorRef[Any], msgs: list[DiskIOMsg]) -> None:
         """``msgs`` to the disk actor, in order, in one runtime call."""
         if len(msgs) == 1:
             self.runtime.call(ref.tell, msgs[0])  # type: ignore[union-attr]
@@ -596,6 +639,7 @@ class WorkerSide:
         failed, as failed jobs (their copies were never started)."""
         failed: list[JobResult] = []
         stats = self._stats
+        tier = self._lower_name
         for res in ended:
             bad = res.outcomes != Outcome.OK
             per_chunk = [int(b) for b in bad]
@@ -605,14 +649,14 @@ class WorkerSide:
                 ack[0] += 1
                 ack[1] += 1 if n_bad else 0
                 self._disk_failed[res.job_id] = per_chunk
-                _add(stats, "disk_write_bytes", res.nbytes)
-                _add(stats, "disk_write_seconds", res.seconds)
-                _add(stats, "disk_writes_failed", n_bad)
+                _add(stats, f"{tier}_write_bytes", res.nbytes)
+                _add(stats, f"{tier}_write_seconds", res.seconds)
+                _add(stats, f"{tier}_writes_failed", n_bad)
                 continue
-            _add(stats, "disk_read_bytes", res.nbytes)
-            _add(stats, "disk_read_seconds", res.seconds)
-            _add(stats, "disk_reads_failed", n_bad)
-            _add(stats, "disk_chunks_corrupt", int(np.isin(res.outcomes, _CORRUPT).sum()))
+            _add(stats, f"{tier}_read_bytes", res.nbytes)
+            _add(stats, f"{tier}_read_seconds", res.seconds)
+            _add(stats, f"{tier}_reads_failed", n_bad)
+            _add(stats, f"{tier}_chunks_corrupt", int(np.isin(res.outcomes, _CORRUPT).sum()))
             load = self._load_req.get(res.job_id)
             if load is None:
                 # Reads are only sent for this worker's loads, which end once: a bug.
@@ -624,21 +668,21 @@ class WorkerSide:
                 log = self._log.debug if self._disk_load_failure_logged else self._log.warning
                 self._disk_load_failure_logged = True
                 log(
-                    "disk_load_failed",
+                    f"{tier}_load_failed",
                     job_id=res.job_id,
                     chunks_failed=n_bad,
                     outcomes=outcomes,
-                    note="logged once; later ones are counted (disk_reads_failed)",
+                    note=f"logged once; later ones are counted ({tier}_reads_failed)",
                 )
                 failed.append(
                     JobFailed(
                         job_id=res.job_id,
                         direction="load",
-                        error=f"{n_bad} of {len(per_chunk)} chunks not read from disk: "
+                        error=f"{n_bad} of {len(per_chunk)} chunks not read from {tier}: "
                         + ", ".join(outcomes),
                         block_ids=tuple(load[1]),
                         num_blocks=len(load[1]),
-                        reason="disk",
+                        reason=tier,
                     )
                 )
         return failed

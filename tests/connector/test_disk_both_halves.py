@@ -8,30 +8,22 @@ the scheduler drops the chunk; a restart finds the files again."""
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
-import torch
 
-from kvferry import FerryConfig
 from kvferry.cache import ClearAll, GetStatistics, LookupEach
 from kvferry.tiers import HEADER_SIZE
 from kvferry.tiers._format import file_size
 
-from ._steps import BLOCK, allocated, key, request, step
-
-LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
-SLOT_BYTES = 2 * 2 * BLOCK * 2 * 64 * 2  # 2 layers x (K, V) x 128 tokens x 2 heads x 64 x bf16
+from ._halves import LAYERS, SLOT_BYTES, Halves
+from ._steps import BLOCK, allocated, key, request
 
 
-class Engine:
-    """A worker half and a scheduler half on the same config, passed each other's data
-    the way vLLM does once per step (the worker is built first, as in vLLM: its
-    ``register_kv_caches`` runs before the scheduler exists)."""
+class Engine(Halves):
+    """Both halves with a disk tier under ``path``."""
 
     def __init__(
         self,
@@ -42,9 +34,6 @@ class Engine:
         host_slots: int = 8,
         **disk: Any,
     ):
-        from kvferry.connector._scheduler import SchedulerSide
-        from kvferry.connector._worker import WorkerSide
-
         extra = {
             "cpu_bytes_to_use": host_slots * SLOT_BYTES,
             "runtime": runtime,
@@ -57,47 +46,7 @@ class Engine:
                 }
             ],
         }
-        cfg = FerryConfig.from_dict(extra)
-        self.worker = WorkerSide(make_vllm_config(extra), kv_cache_config, cfg)
-        g = torch.Generator().manual_seed(0)
-        self.kv = {n: torch.randn(2, 16, BLOCK, 2, 64, generator=g).bfloat16() for n in LAYERS}
-        self.worker.register_kv_caches(self.kv)
-        self.sched = SchedulerSide(make_vllm_config(extra), kv_cache_config, cfg)
-        self.recving: set[str] = set()
-        self.load_errors: set[int] = set()
-
-    def step(self, new: dict[str, tuple[list[int], ...]], scheduled: dict[str, int]) -> None:
-        meta = self.sched.build_connector_meta(step(new, scheduled))
-        self.worker.handle_preemptions(meta)
-        self.worker.start_load_kv(meta)
-        self.worker.wait_for_save(meta)
-        sending, recving = self.worker.get_finished()
-        self.recving |= recving or set()
-        self.load_errors |= self.worker.get_block_ids_with_load_errors()
-        self.sched.update_connector_output(
-            SimpleNamespace(
-                kv_connector_worker_meta=self.worker.build_worker_meta(),
-                finished_sending=sending,
-                finished_recving=recving,
-            )
-        )
-
-    def run_until(self, done: Callable[[], bool]) -> None:
-        """Empty engine steps until ``done()`` (within 60 s)."""
-        deadline = time.monotonic() + 60
-        while not done():
-            assert time.monotonic() < deadline, "not done within 60 s"
-            self.step({}, {})
-            time.sleep(0.001)  # a back-off between steps; the condition decides
-
-    def block(self, b: int) -> bytes:
-        return b"".join(
-            self.kv[n][:, b].contiguous().view(torch.uint8).numpy().tobytes() for n in LAYERS
-        )
-
-    def close(self) -> None:
-        self.sched.shutdown()
-        self.worker.shutdown()
+        super().__init__(make_vllm_config, kv_cache_config, extra)
 
 
 @pytest.fixture

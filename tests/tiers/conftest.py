@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,15 +40,6 @@ def make_store(tmp_path: Path) -> Any:
         return DiskStore(path, **kwargs)
 
     return make
-
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    """One real redis-server for the module's tests (each test flushes it first)."""
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
-    server.start()
-    yield server
-    server.kill()
 
 
 @pytest.fixture

@@ -1,0 +1,292 @@
+"""The scheduler side of the shared Redis tier: what it knows of which chunks Redis holds.
+
+Who owns what: :class:`~kvferry.connector._scheduler.SchedulerSide` owns one, on vLLM's
+engine thread. Redis belongs to every engine of the same fingerprint; this side never
+owns its contents, it only asks. The workers do the reads and writes
+(:class:`~kvferry.tiers.RedisIOActor`, one per rank, under the rank's fingerprint).
+
+Existence checks never run on the engine thread. Keys a lookup needs an answer for are
+gathered during the step and sent once per step (:meth:`RedisTier.flush`) to a checker
+actor on a loop thread of its own (whatever the connector's runtime), which asks every
+rank's keys in one pipeline each and leaves the answers in a queue the engine thread
+drains at its next lookup. While a request's answer is out, its lookup says "ask again"
+(vLLM's ``None``), for at most ``lookup_wait_ms``; then the chunks not answered for are
+misses. Answers are kept a short while (:data:`ANSWER_TTL_S`); a chunk this engine wrote
+is known present, one whose read failed is known absent.
+
+A hit is read Redis -> host slot -> device like a disk hit (the host slot is reserved at
+the lookup), so the scheduler's load path is the disk tier's; a Redis chunk that is gone
+or fails verification by then fails the load, and vLLM recomputes those blocks.
+
+Redis has no pins: :meth:`lease` returns no places and :meth:`unpin` does nothing. A
+store is written through: :meth:`prepare_writes` takes the keys not known present and
+not being written already.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from .._config import RedisTierConfig
+from .._logging import get_logger
+from ..actors import Actor, ActorRef, ActorSystem, start_runtime
+from ..cache import BlocksStored, KVEvent
+from ..tiers import CircuitBreaker, Fingerprint, RedisStore
+
+I64 = npt.NDArray[np.int64]
+Bools = npt.NDArray[np.bool_]
+
+MEDIUM = "REDIS"
+"""The medium of the Redis tier's KV events."""
+
+ANSWER_TTL_S = 2.0
+"""How long an existence answer is trusted. Another engine may write a chunk after an
+absent answer, or Redis evict it after a present one (its read then fails: recomputed)."""
+
+MAX_ANSWERS = 1 << 18
+"""Answers remembered at most (the oldest are forgotten first)."""
+
+
+@attrs.frozen
+class _Check:
+    keys: tuple[bytes, ...]
+
+
+@attrs.frozen
+class RedisTierStatistics:
+    """The scheduler side's view of the Redis tier (cumulative)."""
+
+    keys_checked: int
+    """Keys sent to Redis in existence checks (each asked of every rank)."""
+    keys_found: int
+    lookups_waited: int
+    """Lookups answered "ask again" while an existence check was out."""
+    lookups_unanswered: int
+    """Lookups that went on without an answer after ``lookup_wait_ms`` (misses)."""
+    writes_in_flight: int
+    answers: int
+    """Answers remembered now."""
+
+
+class _Checker(Actor[_Check]):
+    """On the checker's loop thread: asks every rank's store, leaves the answer."""
+
+    def __init__(
+        self,
+        stores: list[RedisStore],
+        answered: deque[tuple[tuple[bytes, ...], Bools]],
+    ) -> None:
+        self.stores = stores
+        self.answered = answered
+
+    async def on_stop(self) -> None:
+        for store in self.stores:
+            await store.aclose()
+
+    async def handle(self, msg: _Check) -> None:
+        keys = list(msg.keys)
+        found = np.ones(len(keys), np.bool_)
+        for store in self.stores:  # a chunk is there if every rank wrote its part
+            if not found.any():
+                break
+            idx = np.flatnonzero(found)
+            found[idx] = await store.exists([keys[i] for i in idx.tolist()])
+        self.answered.append((msg.keys, found))  # thread-safe; drained on the engine thread
+
+
+class RedisTier:
+    """``fingerprints``: one per worker rank. Connects at once: a URL that does not parse
+    or a server that cannot be reached fails here, naming ``tiers[i].url`` (or
+    ``.cluster``)."""
+
+    write_back = False
+
+    def __init__(
+        self,
+        tier: RedisTierConfig,
+        fingerprints: Sequence[Fingerprint],
+        *,
+        events: bool,
+        clock: Callable[[], float],
+    ) -> None:
+        self.tier = tier
+        self._clock = clock
+        self._wait_s = tier.lookup_wait_ms / 1000.0
+        self._answers: OrderedDict[bytes, tuple[bool, float]] = OrderedDict()
+        self._answered: deque[tuple[tuple[bytes, ...], Bools]] = deque()
+        self._asked: set[bytes] = set()
+        """Keys sent and not answered yet."""
+        self._to_ask: dict[bytes, None] = {}
+        """Keys to send with this step's check (ordered, unique)."""
+        self._writing: set[bytes] = set()
+        self._events: list[KVEvent] = []
+        self._forward_events = events
+        self._c = dict.fromkeys(
+            ("keys_checked", "keys_found", "lookups_waited", "lookups_unanswered"), 0
+        )
+        self._log = get_logger("kvferry.connector", role="scheduler", tier=tier.index)
+        stores = [make_store(tier, fp) for fp in fingerprints]
+        answered = self._answered
+
+        async def setup(system: ActorSystem) -> ActorRef[_Check]:
+            try:
+                for store in stores:
+                    await store.connect()
+            except BaseException:
+                for store in stores:
+                    await store.aclose()
+                raise
+            return await system.spawn(_Checker(stores, answered), name="redis-exists")
+
+        # A loop thread of its own: the checks progress between engine steps whatever
+        # runtime the connector's actors use.
+        self._runtime, self._checker = start_runtime("thread", setup)
+        self.url = stores[0].url
+        self._log.info("redis_tier_started", redis=self.url, ranks=len(stores))
+
+    # -- lookups -------------------------------------------------------------------------
+
+    def _drain(self) -> None:
+        now = self._clock()
+        answers = self._answers
+        while self._answered:
+            keys, found = self._answered.popleft()
+            for k, f in zip(keys, found.tolist(), strict=True):
+                self._asked.discard(k)
+                answers[k] = (f, now + ANSWER_TTL_S)
+                answers.move_to_end(k)
+            self._c["keys_found"] += int(found.sum())
+        while len(answers) > MAX_ANSWERS:
+            answers.popitem(last=False)
+
+    def known(self, keys: Sequence[bytes]) -> tuple[Bools, Bools]:
+        """(present, unknown) per key: what the answers say now; a key neither known
+        present nor answered absent within :data:`ANSWER_TTL_S` is unknown."""
+        self._drain()
+        now = self._clock()
+        present = np.zeros(len(keys), np.bool_)
+        unknown = np.zeros(len(keys), np.bool_)
+        answers = self._answers
+        for i, k in enumerate(keys):
+            a = answers.get(k)
+            if a is None or a[1] < now:
+                unknown[i] = True
+            else:
+                present[i] = a[0]
+        return present, unknown
+
+    def ask(self, keys: Sequence[bytes]) -> None:
+        """Check these keys with this step's batch (unless already out)."""
+        for k in keys:
+            if k not in self._asked:
+                self._to_ask[k] = None
+
+    def waited(self, since: float) -> bool:
+        """Whether a lookup that first waited at ``since`` may still say "ask again"."""
+        return self._clock() - since < self._wait_s
+
+    def count_wait(self, *, gave_up: bool) -> None:
+        self._c["lookups_unanswered" if gave_up else "lookups_waited"] += 1
+
+    def flush(self) -> None:
+        """Send this step's existence check (once per step, from build_connector_meta)."""
+        if not self._to_ask:
+            return
+        keys = tuple(self._to_ask)
+        self._to_ask = {}
+        self._asked.update(keys)
+        self._c["keys_checked"] += len(keys)
+        self._runtime.tell(self._checker, _Check(keys=keys))
+
+    # -- the lower tier's protocol (the scheduler's disk paths) ---------------------------
+
+    def ready(self, keys: Sequence[bytes]) -> Bools:
+        return self.known(keys)[0]
+
+    def lease(self, keys: Sequence[bytes]) -> I64:
+        return np.zeros(0, np.int64)  # nothing to pin: Redis evicts as it pleases
+
+    def unpin(self, slots: npt.ArrayLike) -> None:
+        pass
+
+    def prepare_writes(self, keys: Sequence[bytes]) -> I64:
+        """Places for the keys to write through; -1 where known present or being written."""
+        present, _ = self.known(keys)
+        places = np.full(len(keys), -1, np.int64)
+        for i, k in enumerate(keys):
+            if not present[i] and k not in self._writing:
+                self._writing.add(k)
+                places[i] = i
+        return places
+
+    def writes_ended(self, slots: I64, keys: Sequence[bytes], failed: I64) -> int:
+        """A write ended on every worker; ``failed[i]``: on how many chunk i failed (a
+        dropped store, a full Redis, an error). Returns the chunks now in Redis."""
+        now = self._clock()
+        written = []
+        for k, f in zip(keys, failed.tolist(), strict=True):
+            self._writing.discard(k)
+            if f == 0:
+                self._answers[k] = (True, now + ANSWER_TTL_S)
+                self._answers.move_to_end(k)
+                written.append(k)
+        if written and self._forward_events:
+            self._events.append(BlocksStored(keys=tuple(written), medium=MEDIUM))
+        return len(written)
+
+    def reads_ended(self, keys: Sequence[bytes], failed: I64) -> None:
+        """A chunk whose read failed (gone, corrupt: deleted by the reader) is absent."""
+        now = self._clock()
+        for k, f in zip(keys, failed.tolist(), strict=True):
+            if f > 0:
+                self._answers[k] = (False, now + ANSWER_TTL_S)
+
+    def reset(self) -> int:
+        """Forget the answers. The chunks stay in Redis: other engines share them."""
+        n = len(self._answers)
+        self._answers.clear()
+        return n
+
+    def take_deletes(self) -> list[bytes]:
+        return []  # a chunk that fails verification is deleted by the worker reading it
+
+    def take_events(self) -> list[KVEvent]:
+        out, self._events = self._events, []
+        return out
+
+    @property
+    def writes_in_flight(self) -> int:
+        return len(self._writing)
+
+    def statistics(self) -> RedisTierStatistics:
+        self._drain()
+        return RedisTierStatistics(
+            writes_in_flight=len(self._writing), answers=len(self._answers), **self._c
+        )
+
+    def close(self) -> None:
+        self._runtime.close()
+
+
+def make_store(tier: RedisTierConfig, fingerprint: Fingerprint, **kwargs: Any) -> RedisStore:
+    """The :class:`RedisStore` of one rank for this tier's configuration."""
+    return RedisStore(
+        fingerprint=fingerprint,
+        url=tier.url,
+        cluster=list(tier.cluster) if tier.cluster is not None else None,
+        tier_index=tier.index,
+        ttl_s=tier.ttl_s,
+        op_timeout_s=tier.op_timeout_s,
+        connect_timeout_s=tier.connect_timeout_s,
+        encrypt_key=tier.encrypt_key,
+        breaker=CircuitBreaker(
+            threshold=tier.breaker_threshold, cooldown_s=tier.breaker_cooldown_s
+        ),
+        **kwargs,
+    )

@@ -1,0 +1,215 @@
+"""Both halves of the Redis tier on a real redis-server, without an engine: the scheduler
+half's metadata goes to a real worker half (CPU copy engine), the worker's reports come
+back, step by step as vLLM passes them. A prompt stored by one engine is written through
+to Redis; a second engine (its own halves, empty host memory, the same Redis) asks
+"again" until its existence check is answered, then loads it from Redis bit for bit. A
+value damaged in Redis fails that load on the worker (recomputed) and is deleted; a Redis
+that is down or unreachable makes misses, never a hang; a URL that cannot connect fails
+the start naming the key."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvferry import ConfigError, FerryConfig
+
+from ..tiers.redis_servers import RedisServer, free_port, redis_available
+from ._halves import SLOT_BYTES, Halves
+from ._steps import BLOCK, allocated, key, request
+
+pytestmark = pytest.mark.skipif(not redis_available(), reason="needs redis-server (make test)")
+
+
+class Engine(Halves):
+    """Both halves with a Redis tier at ``url``."""
+
+    def __init__(
+        self, make_vllm_config: Any, kv_cache_config: Any, url: str, seed: int, **redis: Any
+    ) -> None:
+        extra = {
+            "cpu_bytes_to_use": 8 * SLOT_BYTES,
+            "tiers": [{"kind": "redis", "url": url, **redis}],
+        }
+        super().__init__(make_vllm_config, kv_cache_config, extra, seed)
+
+    def lookup(self, req: Any) -> tuple[int | None, bool]:
+        """get_num_new_matched_tokens, stepping while it says "ask again"."""
+        asked = 0
+        while True:
+            got = self.sched.get_num_new_matched_tokens(req, 0)
+            if got[0] is not None:
+                return got
+            asked += 1
+            assert asked < 10_000, "asked again without end"
+            self.step()
+            time.sleep(0.001)  # a back-off between steps; the answer decides
+
+
+@pytest.fixture
+def make_engine(
+    make_vllm_config: Any, kv_cache_config: Any, redis_server: RedisServer
+) -> Iterator[Callable[..., Engine]]:
+    server = redis_server
+    server.cli("flushall")
+    made: list[Engine] = []
+
+    def make(seed: int = 0, url: str | None = None, **redis: Any) -> Engine:
+        made.append(Engine(make_vllm_config, kv_cache_config, url or server.url, seed, **redis))
+        return made[-1]
+
+    yield make
+    for e in made:
+        if e.worker.runtime is not None:
+            e.close()
+
+
+def store(e: Engine, req: Any, blocks: list[int]) -> list[bytes]:
+    """Run ``req``'s prompt: its chunks stored to host memory, then written to Redis."""
+    e.sched.on_new_request(req)
+    e.step({req.request_id: (blocks,)}, {req.request_id: req.num_tokens})
+    keys = [key(req, c) for c in range(req.num_tokens // BLOCK)]
+    e.run_until(lambda: e.sched.statistics().redis_chunks_written == len(keys))
+    return keys
+
+
+def test_a_prompt_stored_by_one_engine_is_loaded_from_redis_by_another(
+    make_engine: Callable[..., Engine],
+) -> None:
+    a = make_engine(seed=1)
+    req = request("r1", 3 * BLOCK + 8, seed=5)
+    keys = store(a, req, [1, 2, 3, 4])  # (block 0 is vLLM's null block)
+    # The second engine: its own host memory (empty), other KV in its engine blocks.
+    b = make_engine(seed=2)
+    again = request("r2", 3 * BLOCK + 8, seed=5)
+    b.sched.on_new_request(again)
+    assert b.sched.get_num_new_matched_tokens(again, 0) == (None, False)  # asked Redis
+    assert b.lookup(again) == (3 * BLOCK, True)
+    b.sched.update_state_after_alloc(again, allocated([5, 6, 7, 8]), 3 * BLOCK)
+    b.run_until(lambda: "r2" in b.recving)
+    assert not b.load_errors
+    for src, dst in zip([1, 2, 3], [5, 6, 7], strict=True):
+        assert b.block(dst) == a.block(src)
+    stats = b.sched.statistics()
+    assert stats.redis_tokens_hit == 3 * BLOCK and stats.redis_read_bytes == 3 * SLOT_BYTES
+    assert stats.redis is not None and stats.redis.lookups_waited >= 1
+    # Read into host memory: the next lookup of the prompt is a host hit at once.
+    third = request("r3", 3 * BLOCK + 8, seed=5)
+    b.sched.on_new_request(third)
+    assert b.sched.get_num_new_matched_tokens(third, 0) == (3 * BLOCK, True)
+    assert len(keys) == 3
+
+
+def test_a_prompt_nobody_stored_is_a_miss_once_redis_answered(
+    make_engine: Callable[..., Engine],
+) -> None:
+    e = make_engine()
+    req = request("r1", 2 * BLOCK, seed=9)
+    e.sched.on_new_request(req)
+    assert e.lookup(req) == (0, False)
+    assert e.sched.statistics().redis is not None
+
+
+def test_a_damaged_value_fails_the_load_and_is_deleted(
+    make_engine: Callable[..., Engine], redis_server: RedisServer
+) -> None:
+    server = redis_server
+    a = make_engine(seed=1)
+    keys = store(a, request("r1", 2 * BLOCK + 8, seed=7), [1, 2, 3])
+    names = server.cli("--scan", "--pattern", "kvferry:*").split()
+    assert len(names) == 2
+    [second] = [n for n in names if n.endswith(keys[1].hex())]
+    server.cli("setrange", second, "300", "garbage")  # inside the payload
+    b = make_engine(seed=2)
+    req = request("r2", 2 * BLOCK + 8, seed=7)
+    b.sched.on_new_request(req)
+    assert b.lookup(req) == (2 * BLOCK, True)  # EXISTS cannot tell; the read does
+    b.sched.update_state_after_alloc(req, allocated([3, 4, 5]), 2 * BLOCK)
+    b.run_until(lambda: "r2" in b.recving)
+    assert b.load_errors == {3, 4}  # recomputed by vLLM, never loaded
+    stats = b.sched.statistics()
+    assert stats.redis_chunks_corrupt == 1 and stats.loads_failed == 1
+    assert server.cli("exists", second).strip() == "0"  # deleted by the reader
+    # The failed chunk is known absent now: the next lookup hits the first chunk only.
+    again = request("r3", 2 * BLOCK + 8, seed=7)
+    b.sched.on_new_request(again)
+    assert b.lookup(again) == (BLOCK, True)
+
+
+def test_a_dead_redis_makes_misses_and_dropped_stores_never_a_hang(
+    make_engine: Callable[..., Engine], tmp_path: Path
+) -> None:
+    own = RedisServer(tmp_path / "own")
+    own.start()
+    e = make_engine(url=own.url, op_timeout_s=0.5, breaker_threshold=1, breaker_cooldown_s=60)
+    own.kill()
+    req = request("r1", 2 * BLOCK + 8, seed=3)
+    e.sched.on_new_request(req)
+    assert e.lookup(req) == (0, False)
+    e.step({"r1": ([1, 2, 3],)}, {"r1": 2 * BLOCK + 8})
+    e.run_until(lambda: e.sched.statistics().redis_writes_failed == 2)
+    assert e.sched.statistics().redis_chunks_written == 0
+
+
+def test_lookup_wait_ms_bounds_the_asking_again(
+    make_engine: Callable[..., Engine], tmp_path: Path
+) -> None:
+    import os
+    import signal
+
+    own = RedisServer(tmp_path / "own")
+    own.start()
+    e = make_engine(url=own.url, lookup_wait_ms=0)
+    assert own.proc is not None
+    os.kill(own.proc.pid, signal.SIGSTOP)  # alive, answers nothing
+    try:
+        req = request("r1", 2 * BLOCK, seed=3)
+        e.sched.on_new_request(req)
+        # No wait allowed: unanswered chunks are misses at once (the check is still sent).
+        assert e.sched.get_num_new_matched_tokens(req, 0) == (0, False)
+        stats = e.sched.statistics().redis
+        assert stats is not None and stats.lookups_unanswered == 1
+    finally:
+        os.kill(own.proc.pid, signal.SIGCONT)
+        own.kill()
+
+
+def test_an_unreachable_url_fails_the_start_naming_the_key(
+    make_vllm_config: Any, kv_cache_config: Any
+) -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    with pytest.raises(ConfigError, match=r"tiers\[0\]\.url"):
+        Engine(make_vllm_config, kv_cache_config, url, 0, connect_timeout_s=0.5)
+
+
+def test_the_stepped_runtime_is_refused_with_a_redis_tier() -> None:
+    with pytest.raises(ConfigError, match="runtime"):
+        FerryConfig.from_dict(
+            {
+                "cpu_bytes_to_use": 1 << 20,
+                "runtime": "stepped",
+                "tiers": [{"kind": "redis", "url": "redis://127.0.0.1:1/0"}],
+            }
+        )
+
+
+def test_with_a_redis_tier_the_scheduler_reports_its_series(
+    make_engine: Callable[..., Engine],
+) -> None:
+    from kvferry._metrics import COUNTERS, GAUGES, UNKNOWN_METRICS
+
+    e = make_engine()
+    first = e.sched.kv_connector_stats()
+    disk = "vllm:kvferry_disk_"
+    assert set(first["gauges"]) == {m.full_name for m in GAUGES if not m.full_name.startswith(disk)}
+    assert set(e.sched._reported) == {
+        m.full_name for m in COUNTERS if not m.full_name.startswith(disk)
+    } - {UNKNOWN_METRICS}
+    store(e, request("r1", 2 * BLOCK + 8, seed=4), [1, 2, 3])
+    counters = e.sched.kv_connector_stats()["counters"]
+    assert counters["vllm:kvferry_redis_blocks_written"] == 2
+    assert counters["vllm:kvferry_redis_write_bytes"] == 2 * SLOT_BYTES
