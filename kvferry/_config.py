@@ -211,7 +211,7 @@ def _parse_redis(i: int, entry: Mapping[str, Any]) -> RedisTierConfig:
         breaker_threshold=_positive_int(
             f"{name}.breaker_threshold", entry.get("breaker_threshold", 5)
         ),
-        breaker_cooldown_s=_positive_float(
+        breaker_cooldown_s=_non_negative_float(
             f"{name}.breaker_cooldown_s", entry.get("breaker_cooldown_s", 5.0)
         ),
         bytes_to_use=size,

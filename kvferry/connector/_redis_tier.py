@@ -37,7 +37,7 @@ from .._config import RedisTierConfig
 from .._logging import get_logger
 from ..actors import Actor, ActorRef, ActorSystem, start_runtime
 from ..cache import BlocksStored, KVEvent
-from ..tiers import CircuitBreaker, Fingerprint, RedisStore
+from ..tiers import CircuitBreaker, Fingerprint, Outcome, RedisStore
 
 I64 = npt.NDArray[np.int64]
 Bools = npt.NDArray[np.bool_]
@@ -65,6 +65,8 @@ class RedisTierStatistics:
     keys_checked: int
     """Keys sent to Redis in existence checks (each asked of every rank)."""
     keys_found: int
+    checks_unanswered: int
+    """Checks Redis did not answer (a timeout, an error): their keys were asked again."""
     lookups_waited: int
     """Lookups answered "ask again" while an existence check was out."""
     lookups_unanswered: int
@@ -80,7 +82,7 @@ class _Checker(Actor[_Check]):
     def __init__(
         self,
         stores: list[RedisStore],
-        answered: deque[tuple[tuple[bytes, ...], Bools]],
+        answered: deque[tuple[tuple[bytes, ...], Bools | None]],
     ) -> None:
         self.stores = stores
         self.answered = answered
@@ -91,12 +93,19 @@ class _Checker(Actor[_Check]):
 
     async def handle(self, msg: _Check) -> None:
         keys = list(msg.keys)
-        found = np.ones(len(keys), np.bool_)
+        found: Bools | None = np.ones(len(keys), np.bool_)
         for store in self.stores:  # a chunk is there if every rank wrote its part
-            if not found.any():
+            if found is None or not found.any():
                 break
             idx = np.flatnonzero(found)
-            found[idx] = await store.exists([keys[i] for i in idx.tolist()])
+            got = await store.check([keys[i] for i in idx.tolist()])
+            if got is Outcome.UNAVAILABLE:
+                # The breaker is open (Redis known down): misses at once, no waiting.
+                found[:] = False
+            elif isinstance(got, Outcome):
+                found = None  # no answer (a timeout, an error): the lookup may ask again
+            else:
+                found[idx] = got
         self.answered.append((msg.keys, found))  # thread-safe; drained on the engine thread
 
 
@@ -119,7 +128,8 @@ class RedisTier:
         self._clock = clock
         self._wait_s = tier.lookup_wait_ms / 1000.0
         self._answers: OrderedDict[bytes, tuple[bool, float]] = OrderedDict()
-        self._answered: deque[tuple[tuple[bytes, ...], Bools]] = deque()
+        self._answered: deque[tuple[tuple[bytes, ...], Bools | None]] = deque()
+        """(keys, found) from the checker; found None: no answer (asked again later)."""
         self._asked: set[bytes] = set()
         """Keys sent and not answered yet."""
         self._to_ask: dict[bytes, None] = {}
@@ -128,7 +138,14 @@ class RedisTier:
         self._events: list[KVEvent] = []
         self._forward_events = events
         self._c = dict.fromkeys(
-            ("keys_checked", "keys_found", "lookups_waited", "lookups_unanswered"), 0
+            (
+                "keys_checked",
+                "keys_found",
+                "checks_unanswered",
+                "lookups_waited",
+                "lookups_unanswered",
+            ),
+            0,
         )
         self._log = get_logger("kvferry.connector", role="scheduler", tier=tier.index)
         stores = [make_store(tier, fp) for fp in fingerprints]
@@ -157,6 +174,10 @@ class RedisTier:
         answers = self._answers
         while self._answered:
             keys, found = self._answered.popleft()
+            if found is None:
+                self._asked.difference_update(keys)
+                self._c["checks_unanswered"] += 1
+                continue
             for k, f in zip(keys, found.tolist(), strict=True):
                 self._asked.discard(k)
                 answers[k] = (f, now + ANSWER_TTL_S)

@@ -233,8 +233,9 @@ class RedisStore:
         try:
             import redis.asyncio as aioredis
             from redis.asyncio.cluster import ClusterNode, RedisCluster
+            from redis.asyncio.retry import Retry
             from redis.backoff import NoBackoff
-            from redis.retry import Retry
+            from redis.exceptions import ConnectionError as RedisConnectionError
         except ImportError as exc:
             raise ConfigError(
                 self.config_key, "needs the redis package: pip install 'kvferry[redis]'"
@@ -242,8 +243,10 @@ class RedisStore:
         common: dict[str, Any] = {
             "socket_timeout": self.op_timeout_s,
             "socket_connect_timeout": self.connect_timeout_s,
-            # Retries are the breaker's business: a retry would outlast the timeout.
-            "retry": Retry(NoBackoff(), 0),
+            # Retries are the breaker's business, with one exception: a pooled connection
+            # the server closed (it restarted, or failed over) is reconnected once, at
+            # once, within the same operation's timeout (_pipeline bounds it).
+            "retry": Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
             "max_connections": max_connections,
         }
         try:
@@ -451,12 +454,21 @@ class RedisStore:
     ) -> npt.NDArray[np.bool_]:
         """Which of ``keys`` the store holds now (one pipeline of EXISTS). A key it
         cannot answer for (timeout, error, breaker open) is False: a miss."""
+        found = await self.check(keys, timeout_s=timeout_s)
+        return np.zeros(len(keys), dtype=np.bool_) if isinstance(found, Outcome) else found
+
+    async def check(
+        self, keys: Sequence[bytes], *, timeout_s: float | None = None
+    ) -> npt.NDArray[np.bool_] | Outcome:
+        """:meth:`exists`, telling a question without an answer apart: its
+        :class:`Outcome` (``TIMEOUT``, ``IO_ERROR``, ``UNAVAILABLE`` while the breaker is
+        open) instead of an answer."""
         found = np.zeros(len(keys), dtype=np.bool_)
         replies = await self._pipeline(
             "exists", [("EXISTS", self.redis_key(k)) for k in keys], timeout_s
         )
         if isinstance(replies, Outcome):
-            return found
+            return replies
         for i, r in enumerate(replies):
             found[i] = isinstance(r, int) and r > 0
         self._counts["exists_checked"] += len(keys)

@@ -26,15 +26,12 @@ pytestmark = pytest.mark.skipif(not redis_available(), reason="needs redis-serve
 
 
 class Engine(Halves):
-    """Both halves with a Redis tier at ``url``."""
+    """Both halves with a Redis tier (``redis``: the tier's keys, ``url`` or ``cluster``)."""
 
     def __init__(
-        self, make_vllm_config: Any, kv_cache_config: Any, url: str, seed: int, **redis: Any
+        self, make_vllm_config: Any, kv_cache_config: Any, seed: int, **redis: Any
     ) -> None:
-        extra = {
-            "cpu_bytes_to_use": 8 * SLOT_BYTES,
-            "tiers": [{"kind": "redis", "url": url, **redis}],
-        }
+        extra = {"cpu_bytes_to_use": 8 * SLOT_BYTES, "tiers": [{"kind": "redis", **redis}]}
         super().__init__(make_vllm_config, kv_cache_config, extra, seed)
 
     def lookup(self, req: Any) -> tuple[int | None, bool]:
@@ -59,7 +56,9 @@ def make_engine(
     made: list[Engine] = []
 
     def make(seed: int = 0, url: str | None = None, **redis: Any) -> Engine:
-        made.append(Engine(make_vllm_config, kv_cache_config, url or server.url, seed, **redis))
+        if "cluster" not in redis:
+            redis["url"] = url or server.url
+        made.append(Engine(make_vllm_config, kv_cache_config, seed, **redis))
         return made[-1]
 
     yield make
@@ -183,7 +182,7 @@ def test_an_unreachable_url_fails_the_start_naming_the_key(
 ) -> None:
     url = f"redis://127.0.0.1:{free_port()}/0"
     with pytest.raises(ConfigError, match=r"tiers\[0\]\.url"):
-        Engine(make_vllm_config, kv_cache_config, url, 0, connect_timeout_s=0.5)
+        Engine(make_vllm_config, kv_cache_config, 0, url=url, connect_timeout_s=0.5)
 
 
 def test_the_stepped_runtime_is_refused_with_a_redis_tier() -> None:
@@ -213,3 +212,85 @@ def test_with_a_redis_tier_the_scheduler_reports_its_series(
     counters = e.sched.kv_connector_stats()["counters"]
     assert counters["vllm:kvferry_redis_blocks_written"] == 2
     assert counters["vllm:kvferry_redis_write_bytes"] == 2 * SLOT_BYTES
+
+
+def share(a: Engine, b: Engine, seed: int) -> Engine:
+    """``a`` stores a prompt (written to Redis), ``b`` loads it from Redis: bit for bit."""
+    req = request(f"a{seed}", 2 * BLOCK + 8, seed=seed)
+    store(a, req, [1, 2, 3])
+    again = request(f"b{seed}", 2 * BLOCK + 8, seed=seed)
+    b.sched.on_new_request(again)
+    assert b.lookup(again) == (2 * BLOCK, True)
+    b.sched.update_state_after_alloc(again, allocated([6, 7, 8]), 2 * BLOCK)
+    b.run_until(lambda: again.request_id in b.recving)
+    assert not b.load_errors
+    assert [b.block(x) for x in (6, 7)] == [a.block(x) for x in (1, 2)]
+    return b
+
+
+def test_service_comes_back_by_itself_when_redis_does(
+    make_engine: Callable[..., Engine], tmp_path: Path
+) -> None:
+    own = RedisServer(tmp_path / "own")
+    own.start()
+    # A cool-down of 0: every operation while the breaker is open probes Redis first.
+    opts = {"url": own.url, "op_timeout_s": 0.5, "breaker_threshold": 1, "breaker_cooldown_s": 0}
+    a, b = make_engine(seed=1, **opts), make_engine(seed=2, **opts)
+    own.kill()
+    req = request("down", 2 * BLOCK + 8, seed=11)
+    store_failed = a.sched.statistics().redis_writes_failed
+    a.sched.on_new_request(req)
+    a.step({"down": ([1, 2, 3],)}, {"down": 2 * BLOCK + 8})
+    a.run_until(lambda: a.sched.statistics().redis_writes_failed == store_failed + 2)
+    own.start()  # the same port, empty
+    share(a, b, seed=12)
+    own.kill()
+
+
+def test_a_cluster_is_shared_like_one_server(
+    make_engine: Callable[..., Engine], tmp_path: Path
+) -> None:
+    from ..tiers.redis_servers import RedisClusterProcs
+
+    cluster = RedisClusterProcs(tmp_path / "cluster")
+    cluster.start()
+    try:
+        a = make_engine(seed=1, cluster=cluster.urls)
+        b = make_engine(seed=2, cluster=cluster.urls)
+        share(a, b, seed=13)
+        held = sum(len(n.cli("--scan", "--pattern", "kvferry:*").split()) for n in cluster.nodes)
+        assert held == 2
+    finally:
+        cluster.stop()
+
+
+def test_encrypted_values_are_shared_by_engines_with_the_key_only(
+    make_engine: Callable[..., Engine], redis_server: RedisServer
+) -> None:
+    secret = "00112233445566778899aabbccddeeff"
+    a = make_engine(seed=1, encrypt_key=secret)
+    b = make_engine(seed=2, encrypt_key=secret)
+    share(a, b, seed=14)
+    # Sealed at rest: the payload's bytes are nowhere in the value.
+    [name, *_] = redis_server.cli("--scan", "--pattern", "kvferry:*").split()
+    raw = redis_get(redis_server, name)
+    assert len(raw) > SLOT_BYTES and a.block(1)[:64] not in raw and a.block(2)[:64] not in raw
+    # An engine with another key: the values do not open, a miss each (recomputed).
+    c = make_engine(seed=3, encrypt_key="ff" * 16)
+    req = request("c", 2 * BLOCK + 8, seed=14)
+    c.sched.on_new_request(req)
+    assert c.lookup(req) == (2 * BLOCK, True)
+    c.sched.update_state_after_alloc(req, allocated([6, 7, 8]), 2 * BLOCK)
+    c.run_until(lambda: "c" in c.recving)
+    assert c.load_errors == {6, 7}
+    assert c.sched.statistics().redis_chunks_corrupt >= 1
+
+
+def redis_get(server: RedisServer, name: str) -> bytes:
+    """A value's raw bytes."""
+    import redis
+
+    with redis.Redis(port=server.port) as client:
+        value = client.get(name)
+    assert isinstance(value, bytes)
+    return value
