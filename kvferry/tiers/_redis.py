@@ -247,6 +247,7 @@ class RedisStore:
             # the server closed (it restarted, or failed over) is reconnected once, at
             # once, within the same operation's timeout (_pipeline bounds it).
             "retry": Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+            "retry_on_error": [RedisConnectionError],  # redis < 6 reads this one too
             "max_connections": max_connections,
         }
         try:
