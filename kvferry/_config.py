@@ -297,11 +297,15 @@ def parse_tiers(value: Any) -> tuple[TierConfig, ...]:
                 scan_budget_s=budget,
             )
         )
-    if len(out) > 1:
+    kinds = [t.kind for t in out]
+    if len(out) > 2 or len(set(kinds)) != len(kinds):
         raise ConfigError(
-            "tiers[1]",
-            "one tier below host memory is supported today: a disk tier or a redis tier "
-            "(both together are not available yet)",
+            f"tiers[{len(out) - 1}]",
+            f"at most one disk tier and one redis tier, got kinds {kinds}",
+        )
+    if kinds == ["redis", "disk"]:
+        raise ConfigError(
+            "tiers[1]", "the disk tier comes before the redis tier (host, disk, then redis)"
         )
     return tuple(out)
 
@@ -336,7 +340,7 @@ class FerryConfig:
     """Store blocks of generated tokens too (a conversation's next turn reuses them);
     False stores prompt blocks only, as vLLM's OffloadingConnector does by default."""
     tiers: tuple[TierConfig, ...] = ()
-    """Tiers below host memory, in order (today: at most one, ``"disk"`` or ``"redis"``)."""
+    """Tiers below host memory, in order: a ``"disk"``, a ``"redis"``, or both (disk first)."""
 
     KEYS = (
         "cpu_bytes_to_use",

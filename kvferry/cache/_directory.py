@@ -335,7 +335,7 @@ class Directory:
             self._state[arr] = READY
             pinned = np.asarray(pin, np.int64)
             if len(pinned):
-                self._pins[pinned[np.isin(pinned, arr)]] += 1
+                np.add.at(self._pins, pinned[np.isin(pinned, arr)], 1)  # a slot twice: 2 pins
             self.policy.admit(arr, self._tag[arr] if self._uses_tags else _NO_TAGS)
             self.stores_completed += len(arr)
             if self._events is not None and len(arr):

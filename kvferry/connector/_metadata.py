@@ -40,11 +40,13 @@ class JobSpec:
     """A load only: read these chunks from the disk tier into their host slots (reserved
     for it) first; the copy starts once all are read and verified. Any that fails fails
     the load on that worker (its blocks are recomputed)."""
+    redis_reads: DiskChunks | None = None
+    """A load only: the same for chunks read from the Redis tier (after the disk's)."""
 
 
 @attrs.define(kw_only=True)
 class DiskWriteSpec:
-    """Write host slots down to the disk tier (slots pinned until every worker acked)."""
+    """Write host slots down to a lower tier (slots pinned until every worker acked)."""
 
     job_id: int
     chunks: DiskChunks
@@ -66,6 +68,8 @@ class KVFerryMetadata(KVConnectorMetadata):
     disk_deletes: list[bytes] = attrs.field(factory=list)
     """Keys the disk tier evicted (or found on some workers only): files to delete, before
     this step's disk writes (a key may be written again later)."""
+    redis_writes: list[DiskWriteSpec] = attrs.field(factory=list)
+    """Redis-tier writes, queued after this step's stores."""
 
     def is_empty(self) -> bool:
         return not (
@@ -76,6 +80,7 @@ class KVFerryMetadata(KVConnectorMetadata):
             or self.failed_load_job_ids
             or self.disk_writes
             or self.disk_deletes
+            or self.redis_writes
         )
 
 
@@ -88,6 +93,8 @@ class KVFerryWorkerMetadata(KVConnectorWorkerMetadata):
     disk_failed: dict[int, list[int]] = attrs.field(factory=dict)
     """job id -> per chunk of its disk reads (a load) or writes (a disk write), on how many
     workers that chunk failed; reported with the job's ack (0 everywhere: all good)."""
+    redis_failed: dict[int, list[int]] = attrs.field(factory=dict)
+    """The same for the Redis tier's reads and writes."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, KVFerryWorkerMetadata):
@@ -103,11 +110,23 @@ class KVFerryWorkerMetadata(KVConnectorWorkerMetadata):
         stats = dict(self.stats)
         for k, v in other.stats.items():
             stats[k] = stats.get(k, 0.0) + v
-        disk_failed = {k: list(v) for k, v in self.disk_failed.items()}
-        for job_id, counts in other.disk_failed.items():
-            mine_counts = disk_failed.get(job_id)
-            if mine_counts is None:
-                disk_failed[job_id] = list(counts)
-            else:
-                disk_failed[job_id] = [a + b for a, b in zip(mine_counts, counts, strict=True)]
-        return KVFerryWorkerMetadata(acks=acks, stats=stats, disk_failed=disk_failed)
+        return KVFerryWorkerMetadata(
+            acks=acks,
+            stats=stats,
+            disk_failed=_sum_counts(self.disk_failed, other.disk_failed),
+            redis_failed=_sum_counts(self.redis_failed, other.redis_failed),
+        )
+
+
+def _sum_counts(
+    mine: dict[int, list[int]], other: dict[int, list[int]]
+) -> dict[int, list[int]]:
+    """Per-chunk failure counts of two workers, job by job."""
+    out = {k: list(v) for k, v in mine.items()}
+    for job_id, counts in other.items():
+        have = out.get(job_id)
+        if have is None:
+            out[job_id] = list(counts)
+        else:
+            out[job_id] = [a + b for a, b in zip(have, counts, strict=True)]
+    return out

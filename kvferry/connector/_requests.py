@@ -63,8 +63,9 @@ class ReqState:
     counts: tuple[int, int] | None = None
     """(tokens asked, tokens hit) of the last lookup, counted once the request is admitted."""
     disk_tokens: int = 0
-    """Of the last lookup's hit, the tokens of chunks read from the tier below host memory
-    (disk or Redis)."""
+    """Of the last lookup's hit, the tokens of chunks read from the disk tier."""
+    redis_tokens: int = 0
+    """Of the last lookup's hit, the tokens of chunks read from the Redis tier."""
     redis_wait_since: float | None = None
     """When this request's lookup first said "ask again" for a Redis existence check
     (``lookup_wait_ms`` runs from then); None once it went on."""
@@ -76,8 +77,9 @@ class ReqState:
     tokens_loaded: int = 0
 
 
-DiskLease = tuple[list[bytes], npt.NDArray[np.int64], npt.NDArray[np.int64]]
-"""(keys, their pins in the disk tier, the host slots reserved for them)."""
+DiskLease = tuple[list[bytes], npt.NDArray[np.int64], npt.NDArray[np.int64], frozenset[bytes]]
+"""(keys below host memory, their pins in the disk tier (those on disk), the host slots
+reserved for them, those of the keys read from Redis instead)."""
 
 
 @attrs.define
@@ -107,6 +109,14 @@ class JobState:
     """A load: its pins in the disk directory; a disk write: the places it fills."""
     disk_failed: npt.NDArray[np.int64] | None = None
     """Per disk chunk, on how many workers it failed (summed over the workers' reports)."""
+    redis_keys: tuple[bytes, ...] = ()
+    """A load: the chunks read from Redis first (after the disk's)."""
+    redis_host_slots: npt.NDArray[np.int64] = attrs.field(factory=lambda: np.zeros(0, np.int64))
+    """A load: the host slots reserved (STORING) for its Redis chunks, READY once read."""
+    redis_failed: npt.NDArray[np.int64] | None = None
+    """Per Redis chunk (read, or written), on how many workers it failed."""
+    tier: str = "disk"
+    """A write down: the tier written ("disk" or "redis")."""
     disk_write: bool = False
     demotion: bool = False
     """A disk write of blocks host memory evicted (``write: "on_evict"``): its host slots

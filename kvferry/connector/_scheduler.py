@@ -231,11 +231,8 @@ class SchedulerSide:
 
         self.disk: DiskTier | None = None
         self.redis: RedisTier | None = None
-        self.lower: DiskTier | RedisTier | None = None
-        """The tier below host memory (disk or Redis): its hits are read into host slots
-        reserved at the lookup, and loaded with the rest (the "disk" paths below)."""
-        self._lower_name = "disk"
-        """The prefix of the lower tier's counters ("disk" or "redis")."""
+        """The tiers below host memory: a disk, a Redis, or both (disk first). Their hits
+        are read into host slots reserved at the lookup, then loaded with the rest."""
         self._disk_leases: dict[str, DiskLease] = {}
         """Request -> the disk part of its last lookup's hit: keys leased (pinned) in the
         disk tier, and the host slots reserved to read them into."""
@@ -247,20 +244,20 @@ class SchedulerSide:
                 disk_fingerprint(vllm_config, kv_cache_config, geo.chunk_tokens, rank)
                 for rank in range(self.world_size)
             ]
-            tier = cfg.tiers[0]
-            if isinstance(tier, DiskTierConfig):
-                self.disk = self.lower = DiskTier(
-                    tier,
-                    fingerprints,
-                    geo.row_bytes * geo.blocks_per_chunk,
-                    events=self.events_enabled,
-                )
-                self.disk.scan()
-            elif isinstance(tier, RedisTierConfig):
-                self.redis = self.lower = RedisTier(
-                    tier, fingerprints, events=self.events_enabled, clock=clock
-                )
-                self._lower_name = "redis"
+            for tier in cfg.tiers:
+                if isinstance(tier, DiskTierConfig):
+                    self.disk = DiskTier(
+                        tier,
+                        fingerprints,
+                        geo.row_bytes * geo.blocks_per_chunk,
+                        events=self.events_enabled,
+                    )
+                    self.disk.scan()
+                elif isinstance(tier, RedisTierConfig):
+                    self.redis = RedisTier(
+                        tier, fingerprints, events=self.events_enabled, clock=clock
+                    )
+        self._pending_redis_writes: list[DiskWriteSpec] = []
 
         async def setup(system: ActorSystem) -> ActorRef[DirectoryMsg]:
             tier = await spawn_host_tier(
@@ -345,22 +342,26 @@ class SchedulerSide:
         # it before update_state_after_alloc turns the lease into the load's pins, and the
         # lease ends with this schedule() pass (build_connector_meta) if it does not.
         self._release_lease(request.request_id)
-        lower = self.lower
-        each = geo.hybrid or lower is not None
+        below_host = self.disk is not None or self.redis is not None
+        each = geo.hybrid or below_host
         lease: Lease = self._ask(lambda r: LookupAndPin(keys=tuple(keys), each=each, reply=r))
         on_disk = None
-        if lower is not None:
-            # The longest prefix held by host memory or the tier below, chunk by chunk.
+        on_redis = np.zeros(len(keys), np.bool_)
+        if below_host:
+            # The longest prefix held by host memory or a tier below, chunk by chunk.
             host = lease.ready if lease.ready is not None else np.zeros(len(keys), np.bool_)
+            below = np.zeros(len(keys), np.bool_)
+            if self.disk is not None:
+                below = self.disk.ready(keys) & ~host
             if self.redis is not None:
-                below = self._redis_known(st, keys, host)
-                if below is None:  # its existence check is out: vLLM asks again next step
+                in_redis = self._redis_known(st, keys, host | below)
+                if in_redis is None:  # its existence check is out: vLLM asks again next step
                     st.lookup = st.counts = None
                     self._unpin(lease.slots)
                     return None, False
-            else:
-                below = lower.ready(keys)
-            on_disk = below & ~host
+                on_redis = in_redis & ~host & ~below
+                below |= on_redis
+            on_disk = below
             ready = host | on_disk
             if geo.hybrid:
                 hit_chunks = first + windowed_hit(ready.reshape(-1, geo.num_groups), geo.windows)
@@ -387,7 +388,9 @@ class SchedulerSide:
             return None, False
         disk_lease = None
         if on_disk is not None and hit_chunks > first:
-            hit_chunks, disk_lease = self._reserve_disk_hit(keys, first, hit_chunks, ready, on_disk)
+            hit_chunks, disk_lease = self._reserve_disk_hit(
+                keys, first, hit_chunks, ready, on_disk, on_redis
+            )
         new_tokens = hit_chunks * ct - num_computed_tokens
         self.trace.lookup(
             request.request_id,
@@ -407,11 +410,14 @@ class SchedulerSide:
         st.lookup = (num_computed_tokens, hit_chunks)
         if len(lease.slots):
             self._leases[request.request_id] = lease.slots
-        st.disk_tokens = 0
+        st.disk_tokens = st.redis_tokens = 0
         if disk_lease is not None and on_disk is not None:
             self._disk_leases[request.request_id] = disk_lease
-            in_hit = on_disk[: (hit_chunks - first) * geo.num_groups]
-            st.disk_tokens = int(in_hit.reshape(-1, geo.num_groups).any(axis=1).sum()) * ct
+            n = (hit_chunks - first) * geo.num_groups
+            from_redis = on_redis[:n].reshape(-1, geo.num_groups).any(axis=1)
+            from_disk = (on_disk[:n] & ~on_redis[:n]).reshape(-1, geo.num_groups).any(axis=1)
+            st.redis_tokens = int(from_redis.sum()) * ct
+            st.disk_tokens = int((from_disk & ~from_redis).sum()) * ct
         return new_tokens, True
 
     def _redis_known(
@@ -454,14 +460,14 @@ class SchedulerSide:
         hit_chunks: int,
         ready: npt.NDArray[np.bool_],
         on_disk: npt.NDArray[np.bool_],
+        on_redis: npt.NDArray[np.bool_],
     ) -> tuple[int, DiskLease | None]:
-        """The disk part of a hit: leased in the disk tier (not evicted before its load)
-        and host slots reserved for it now (STORING: the load reads into them, neither a
-        hit nor evictable meanwhile). The hit is cut before the first chunk no host slot
-        is left for: the hit announced can always be loaded. Returns the hit (chunks)."""
-        disk = self.lower
-        if disk is None:
-            return hit_chunks, None
+        """The part of a hit below host memory (``on_disk``: on disk or, ``on_redis``, in
+        Redis): its disk chunks leased in the disk tier (not evicted before their load),
+        and host slots reserved for all of it now (STORING: the load reads into them,
+        neither a hit nor evictable meanwhile). The hit is cut before the first chunk no
+        host slot is left for: the hit announced can always be loaded. Returns the hit
+        (chunks) and the lease."""
         geo = self.geometry
         G = geo.num_groups
         idx = np.flatnonzero(on_disk[: (hit_chunks - first) * G])
@@ -479,7 +485,8 @@ class SchedulerSide:
                 hit_chunks = first + windowed_hit(cut_ready.reshape(-1, G), geo.windows)
             else:
                 hit_chunks = first + cut
-            self._c[f"{self._lower_name}_hits_cut"] += 1
+            short_key = int(idx[int(np.argmax(short))])
+            self._c["redis_hits_cut" if on_redis[short_key] else "disk_hits_cut"] += 1
             keep = idx < (hit_chunks - first) * G
             drop = reserved[~keep]
             drop = drop[drop >= 0]
@@ -489,7 +496,12 @@ class SchedulerSide:
             reserved = reserved[keep]
             if not dkeys:
                 return hit_chunks, None
-        return hit_chunks, (dkeys, disk.lease(dkeys), reserved)
+        n = (hit_chunks - first) * G
+        from_redis = frozenset(keys[i] for i in np.flatnonzero(on_redis[:n]).tolist())
+        pins = np.zeros(0, np.int64)
+        if self.disk is not None:
+            pins = self.disk.lease([k for k in dkeys if k not in from_redis])
+        return hit_chunks, (dkeys, pins, reserved, from_redis)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -505,7 +517,8 @@ class SchedulerSide:
             self._c["tokens_hit"] += hit
             self._c["tokens_missed"] += asked - hit
             if num_external_tokens:
-                self._c[f"{self._lower_name}_tokens_hit"] += min(st.disk_tokens, hit)
+                self._c["disk_tokens_hit"] += min(st.disk_tokens, hit)
+                self._c["redis_tokens_hit"] += min(st.redis_tokens, hit - min(st.disk_tokens, hit))
         lease = self._leases.pop(request.request_id, None)
         disk_lease = self._disk_leases.pop(request.request_id, None)
         if num_external_tokens == 0:
@@ -544,7 +557,8 @@ class SchedulerSide:
         first_chunk = plan.first_chunk
         keys = plan.wanted_keys(self._keys(request, first_chunk, hit_chunks))
         release = lease if lease is not None else np.zeros(0, np.int64)
-        # Chunks only on disk: read into host slots reserved now, then loaded with the rest.
+        # Chunks only below host memory (on disk, or in Redis): read into host slots
+        # reserved at the lookup, then loaded with the rest.
         from_disk = set(disk_lease[0]) if disk_lease is not None else set()
         dmask = np.fromiter((k in from_disk for k in keys), np.bool_, len(keys))
         host_keys = [k for k, d in zip(keys, dmask.tolist(), strict=True) if not d]
@@ -570,6 +584,11 @@ class SchedulerSide:
         both[~dmask] = found
         both[dmask] = reserved
         parts = load_parts(geo, plan, both)
+        from_redis = disk_lease[3] if disk_lease is not None else frozenset()
+        rmask = np.fromiter((k in from_redis for k in disk_keys), np.bool_, len(disk_keys))
+        redis_keys = [k for k, r in zip(disk_keys, rmask.tolist(), strict=True) if r]
+        disk_keys = [k for k, r in zip(disk_keys, rmask.tolist(), strict=True) if not r]
+        redis_slots, reserved = reserved[rmask], reserved[~rmask]
         self._jobs[job_id] = JobState(
             job_id=job_id,
             req_id=request.request_id,
@@ -581,6 +600,8 @@ class SchedulerSide:
             disk_keys=tuple(disk_keys),
             disk_host_slots=reserved,
             disk_slots=disk_lease[1] if disk_lease is not None else np.zeros(0, np.int64),
+            redis_keys=tuple(redis_keys),
+            redis_host_slots=redis_slots,
             first_chunk=first_chunk,
         )
         for k in keys:
@@ -600,14 +621,18 @@ class SchedulerSide:
                 copy=CopyJob(job_id=job_id, direction="load", parts=parts),
                 traceparent=tp,
                 disk_reads=DiskChunks(keys=disk_keys, slots=reserved) if disk_keys else None,
+                redis_reads=(
+                    DiskChunks(keys=redis_keys, slots=redis_slots) if redis_keys else None
+                ),
             )
         )
 
     def _unpin_disk(self, disk_lease: DiskLease | None) -> None:
         """Release a disk lease: its pins in the disk tier, its reserved host slots."""
-        if disk_lease is None or self.lower is None:
+        if disk_lease is None:
             return
-        self.lower.unpin(disk_lease[1])
+        if self.disk is not None:
+            self.disk.unpin(disk_lease[1])
         if len(disk_lease[2]):
             self.directory_tell(CompleteStore(slots=disk_lease[2], ok=False))
 
@@ -716,6 +741,7 @@ class SchedulerSide:
             self._demote()
         if self.redis is not None:
             self.redis.flush()  # this step's existence checks, one batch
+        meta_redis_writes, self._pending_redis_writes = self._pending_redis_writes, []
 
         meta = KVFerryMetadata(
             loads=self._pending_loads,
@@ -726,9 +752,10 @@ class SchedulerSide:
         )
         self._pending_loads, self._pending_stores, self._pending_releases = [], [], []
         self._pending_failed_loads = []
-        if self.lower is not None:
-            meta.disk_deletes = self.lower.take_deletes()
+        if self.disk is not None:
+            meta.disk_deletes = self.disk.take_deletes()
             meta.disk_writes, self._pending_disk_writes = self._pending_disk_writes, []
+        meta.redis_writes = meta_redis_writes
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
@@ -870,10 +897,12 @@ class SchedulerSide:
         """Clear the host tier. Jobs in flight end normally; stores that were in flight are
         then discarded instead of becoming visible."""
         dropped = self._ask(lambda r: ResetCache(reply=r))
-        if self.lower is not None:
-            # The disk's files are deleted with the next step (take_deletes); writes in
-            # flight end unseen. Redis forgets its answers (the chunks are shared).
-            dropped += self.lower.reset()
+        if self.disk is not None:
+            # Its files are deleted with the next step (take_deletes); writes in flight
+            # end unseen.
+            dropped += self.disk.reset()
+        if self.redis is not None:
+            self.redis.reset()  # its answers only: the chunks are shared with other engines
         self._dir_dirty = True
         self._stale_jobs.update(j for j, job in self._jobs.items() if job.is_store)
         for st in self._reqs.values():
@@ -886,8 +915,9 @@ class SchedulerSide:
         if not self.events_enabled:
             return []
         events = self._ask(lambda r: TakeEvents(reply=r))
-        if self.lower is not None:
-            events = list(events) + self.lower.take_events()
+        for tier in (self.disk, self.redis):
+            if tier is not None:
+                events = list(events) + tier.take_events()
         out = to_vllm_events(events, describe=self._book.describe)
         self._book.drop_retired()  # every store retired so far had its event in these
         return out
@@ -900,6 +930,7 @@ class SchedulerSide:
             or self._pending_releases
             or self._pending_failed_loads
             or self._pending_disk_writes
+            or self._pending_redis_writes
         )
 
     def statistics(self) -> SchedulerStatistics:
@@ -975,7 +1006,7 @@ class SchedulerSide:
                 slots=plan.slots,
                 tokens=plan.tokens,
                 fenced=plan.fenced,
-                keys=plan.keys if self.lower is not None else (),
+                keys=plan.keys if self.disk is not None or self.redis is not None else (),
                 event_keys=plan_keys,
             )
             for block in plan.fenced:
@@ -1064,24 +1095,29 @@ class SchedulerSide:
             st.load_job = None
 
     def _end_disk_reads(self, job: JobState) -> None:
-        """A load's disk chunks, once every worker reported: read everywhere, their host
-        slots become READY (the blocks are in host memory now); else dropped, and a
-        chunk that failed is dropped from the disk tier too (its files deleted)."""
-        if not job.disk_keys or self.lower is None:
-            return
-        n = len(job.disk_keys)
-        failed = job.disk_failed
-        if failed is None or len(failed) != n:  # unreported: nothing known to be good
-            failed = np.full(n, self.world_size, np.int64)
-        ok = failed == 0
-        slots = job.disk_host_slots
-        if ok.any():
-            self.directory_tell(CompleteStore(slots=slots[ok], ok=True))
-        if not ok.all():
-            self.directory_tell(CompleteStore(slots=slots[~ok], ok=False))
-        self.lower.unpin(job.disk_slots)
-        if job.disk_failed is not None:
-            self.lower.reads_ended(job.disk_keys, failed)
+        """A load's chunks from below host memory, once every worker reported: read
+        everywhere, their host slots become READY (the blocks are in host memory now);
+        else dropped, and a chunk that failed is dropped from its tier too (a disk file
+        deleted; a Redis key known absent, its damaged value deleted by the reader)."""
+        if self.disk is not None and len(job.disk_slots):
+            self.disk.unpin(job.disk_slots)
+        for tier, keys, reported, slots in (
+            (self.disk, job.disk_keys, job.disk_failed, job.disk_host_slots),
+            (self.redis, job.redis_keys, job.redis_failed, job.redis_host_slots),
+        ):
+            if not keys or tier is None:
+                continue
+            n = len(keys)
+            failed = reported
+            if failed is None or len(failed) != n:  # unreported: nothing known to be good
+                failed = np.full(n, self.world_size, np.int64)
+            ok = failed == 0
+            if ok.any():
+                self.directory_tell(CompleteStore(slots=slots[ok], ok=True))
+            if not ok.all():
+                self.directory_tell(CompleteStore(slots=slots[~ok], ok=False))
+            if reported is not None:
+                tier.reads_ended(keys, failed)
 
     @staticmethod
     def _store_again(st: ReqState | None, job: JobState) -> None:
@@ -1091,26 +1127,35 @@ class SchedulerSide:
             st.stored_upto = min(st.stored_upto, job.first_chunk)
 
     def _write_through(self, job: JobState) -> None:
-        """A store ended well on every worker: its blocks become host hits, and those the
-        disk tier takes are written down, their host slots pinned (in the same message:
-        no eviction in between) until the write ends."""
-        if self.lower is None:
-            return
-        places = self.lower.prepare_writes(job.keys)
-        chosen = places >= 0
-        self.directory_tell(CompleteStore(slots=job.slots, ok=True, pin=job.slots[chosen]))
-        keys = [k for k, c in zip(job.keys, chosen.tolist(), strict=True) if c]
-        # The facts of the keys written down are kept for the disk tier's own event.
-        written = set(keys) if job.event_keys else set()
-        self._book.retire([k for k in job.event_keys if k not in written])
-        if chosen.any():
+        """A store ended well on every worker: its blocks become host hits, and those a
+        tier below takes are written down (to disk unless it is written on eviction; to
+        Redis), their host slots pinned, once per write (in the same message: no eviction
+        in between), until the write ends."""
+        writes = []
+        if self.disk is not None and not self.disk.write_back:
+            writes.append(("disk", self.disk.prepare_writes(job.keys)))
+        if self.redis is not None:
+            writes.append(("redis", self.redis.prepare_writes(job.keys)))
+        pins = [job.slots[places >= 0] for _, places in writes]
+        pin = np.concatenate(pins) if pins else np.zeros(0, np.int64)
+        self.directory_tell(CompleteStore(slots=job.slots, ok=True, pin=pin))
+        # The facts of the keys written down are kept for their tier's own event (the
+        # first write that takes a key keeps them; the other's event may be a placeholder).
+        kept: set[bytes] = set()
+        if self.disk is not None and self.disk.write_back:
+            kept.update(job.keys)  # for the disk's write on eviction (_demote)
+        for tier, places in writes:
+            chosen = places >= 0
+            if not chosen.any():
+                continue
+            keys = [k for k, c in zip(job.keys, chosen.tolist(), strict=True) if c]
+            taken = set(keys)
+            event_keys = tuple(k for k in job.event_keys if k in taken and k not in kept)
+            kept.update(event_keys)
             self._write_down(
-                keys,
-                job.slots[chosen],
-                places[chosen],
-                tuple(k for k in job.event_keys if k in written),
-                demotion=False,
+                keys, job.slots[chosen], places[chosen], event_keys, demotion=False, tier=tier
             )
+        self._book.retire([k for k in job.event_keys if k not in kept])
 
     def _demote(self) -> None:
         """``write: "on_evict"``: the blocks host memory evicted since the last step are
@@ -1149,9 +1194,10 @@ class SchedulerSide:
         event_keys: tuple[bytes, ...],
         *,
         demotion: bool,
+        tier: str = "disk",
     ) -> None:
-        """A disk write job for the next step: ``keys`` from host slots ``host`` (pinned,
-        or DEMOTING) into the disk tier's ``places``."""
+        """A write job of ``tier`` for the next step: ``keys`` from host slots ``host``
+        (pinned, or DEMOTING) into the tier's ``places``."""
         write_id = self._new_job_id()
         self._jobs[write_id] = JobState(
             job_id=write_id,
@@ -1164,19 +1210,20 @@ class SchedulerSide:
             disk_write=True,
             demotion=demotion,
             event_keys=event_keys,
+            tier=tier,
         )
-        self._pending_disk_writes.append(
-            DiskWriteSpec(job_id=write_id, chunks=DiskChunks(keys=keys, slots=host))
-        )
+        pending = self._pending_redis_writes if tier == "redis" else self._pending_disk_writes
+        pending.append(DiskWriteSpec(job_id=write_id, chunks=DiskChunks(keys=keys, slots=host)))
 
     def _end_disk_write(self, job: JobState) -> None:
-        if self.lower is None:
+        tier = self.redis if job.tier == "redis" else self.disk
+        if tier is None:
             return
         n = len(job.disk_keys)
-        failed = job.disk_failed
+        failed = job.redis_failed if job.tier == "redis" else job.disk_failed
         if failed is None or len(failed) != n:
             failed = np.full(n, self.world_size, np.int64)
-        self._c[f"{self._lower_name}_chunks_written"] += self.lower.writes_ended(
+        self._c[f"{job.tier}_chunks_written"] += tier.writes_ended(
             job.disk_slots, job.disk_keys, failed
         )
         self._book.retire(job.event_keys)
@@ -1189,15 +1236,20 @@ class SchedulerSide:
         for key, value in meta.stats.items():
             if key in self._c:
                 self._c[key] += value
-        for job_id, counts in meta.disk_failed.items():
-            reported = self._jobs.get(job_id) or self._expired.get(job_id)
-            if reported is None:
-                continue
-            arr = np.asarray(counts, np.int64)
-            if reported.disk_failed is None:
-                reported.disk_failed = arr
-            elif len(reported.disk_failed) == len(arr):
-                reported.disk_failed = reported.disk_failed + arr
+        for name, per_job in (
+            ("disk_failed", meta.disk_failed),
+            ("redis_failed", meta.redis_failed),
+        ):
+            for job_id, counts in per_job.items():
+                reported = self._jobs.get(job_id) or self._expired.get(job_id)
+                if reported is None:
+                    continue
+                arr = np.asarray(counts, np.int64)
+                have = getattr(reported, name)
+                if have is None:
+                    setattr(reported, name, arr)
+                elif len(have) == len(arr):
+                    setattr(reported, name, have + arr)
         for job_id, (done, failed) in meta.acks.items():
             job = self._jobs.get(job_id)
             if job is None:
@@ -1233,8 +1285,8 @@ class SchedulerSide:
             if job.is_store:
                 stale = job_id in self._stale_jobs
                 self._stale_jobs.discard(job_id)
-                if self.lower is not None and job.keys and not job.failed and not stale:
-                    if self.lower.write_back:
+                if job.keys and not job.failed and not stale:
+                    if self.disk is not None and self.disk.write_back and self.redis is None:
                         # Written down when host memory evicts them (_demote): their
                         # block facts are kept until then.
                         self.directory_tell(CompleteStore(slots=job.slots, ok=True))

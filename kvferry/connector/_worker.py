@@ -62,6 +62,7 @@ from ..tiers import (
     PollDiskJobs,
     ReadChunks,
     RedisIOActor,
+    RedisIOMsg,
     RedisStore,
     ScanDisk,
     ScanReport,
@@ -86,7 +87,7 @@ from ..transfer import (
 )
 from ..transfer._layout import KVLayout, _block_dim
 from ._geometry import Geometry, plan_geometry
-from ._metadata import DiskChunks, JobSpec, KVFerryMetadata, KVFerryWorkerMetadata
+from ._metadata import DiskWriteSpec, JobSpec, KVFerryMetadata, KVFerryWorkerMetadata
 from ._redis_tier import make_store
 from ._tiers import disk_fingerprint
 
@@ -108,14 +109,15 @@ _CORRUPT = (Outcome.CORRUPT, Outcome.FOREIGN)
 class _Refs:
     store: ActorRef[TransferMsg]
     load: ActorRef[TransferMsg]
-    disk: ActorRef[Any] | None = None
-    """The tier below host memory: a DiskIOActor or a RedisIOActor (the same messages)."""
+    disk: ActorRef[DiskIOMsg] | None = None
+    redis: ActorRef[RedisIOMsg] | None = None
 
 
 @attrs.frozen
 class _Polled:
     copies: list[JobResult]
     disk: list[DiskJobResult]
+    redis: list[DiskJobResult]
 
 
 @attrs.frozen(eq=False)
@@ -131,6 +133,19 @@ class _CopyWhenRead:
     async def __call__(self, result: DiskJobResult) -> None:
         if result.ok:
             await self.load.tell(SubmitJobs(jobs=(self.job,), compute=self.compute))
+
+
+@attrs.frozen(eq=False)
+class _ThenRead:
+    """A load's next read (``ReadChunks.then``): its Redis chunks once its disk chunks were
+    all read and verified. A failed read starts nothing."""
+
+    ref: ActorRef[RedisIOMsg]
+    read: ReadChunks
+
+    async def __call__(self, result: DiskJobResult) -> None:
+        if result.ok:
+            await self.ref.tell(self.read)
 
 
 def _block_bytes(t: torch.Tensor, num_blocks: int, block_stride_bytes: int | None) -> list[Any]:
@@ -260,15 +275,15 @@ class WorkerSide:
         self.disk_scan: ScanReport | None = None
         self._disk_failed: dict[int, list[int]] = {}
         """Per-chunk disk outcomes (0 ok, 1 failed) to report with their jobs' acks."""
-        self._read_outcomes: dict[int, list[int]] = {}
+        self._redis_failed: dict[int, list[int]] = {}
+        """The same for the Redis tier."""
+        self._read_outcomes: dict[tuple[str, int], list[int]] = {}
         """Disk-read loads whose reads ended: their outcomes wait for the load's own end
         (its copy's, or its failure), reported in the same worker metadata."""
-        self._disk_ended: list[DiskJobResult] = []
-        """Disk jobs ended without the disk actor (no disk tier on this worker)."""
+        self._disk_ended: list[tuple[str, DiskJobResult]] = []
+        """Jobs of a tier ended without its actor (no such tier on this worker)."""
         self._disk_load_failure_logged = False
         self.redis: RedisStore | None = None
-        self._lower_name = "disk"
-        """The prefix of the lower tier's counters and log events ("disk" or "redis")."""
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         kcc = self.kv_cache_config
@@ -283,21 +298,20 @@ class WorkerSide:
                 f"{geo.row_bytes} vLLM's KV-cache config announces"
             )
         tiers = self.cfg.tiers
-        tier = tiers[0] if tiers and isinstance(tiers[0], DiskTierConfig) else None
-        redis_tier = tiers[0] if tiers and isinstance(tiers[0], RedisTierConfig) else None
+        tier = next((t for t in tiers if isinstance(t, DiskTierConfig)), None)
+        redis_tier = next((t for t in tiers if isinstance(t, RedisTierConfig)), None)
         if tier is not None:
             # Before the host pool: a bad path or size fails the start at once.
             observed = observed_layout(
                 kv_caches, group_layers, layout, block_stride, geo.blocks_per_chunk
             )
             self.disk = self._open_disk(tier, observed)
-        elif redis_tier is not None:
+        if redis_tier is not None:
             parallel = self.vllm_config.parallel_config
             fingerprint = disk_fingerprint(
                 self.vllm_config, self.kv_cache_config, geo.chunk_tokens, parallel.rank
             )
             self.redis = make_store(redis_tier, fingerprint)
-            self._lower_name = "redis"
         self.pool = HostPool(
             geo.num_slots, geo.blocks_per_chunk, layout.row_bytes, pin=layout.device.type == "cuda"
         )
@@ -318,19 +332,19 @@ class WorkerSide:
             store = await system.spawn(
                 StoreActor(engine, job_timeout_s=self.cfg.job_timeout_s), name="store"
             )
-            disk: ActorRef[Any] | None = None
+            disk = redis = None
             if store_ is not None and tier is not None:
                 # Spawned after the load actor it chains copies to: stopped before it.
                 disk = await system.spawn(
                     DiskIOActor(store_, slots, io_depth=tier.io_depth), name="disk"
                 )
-            elif redis_ is not None and redis_tier is not None:
+            if redis_ is not None and redis_tier is not None:
                 try:
                     await redis_.connect()  # a ConfigError naming tiers[i].url if unreachable
                 except BaseException:
                     await redis_.aclose()
                     raise
-                disk = await system.spawn(
+                redis = await system.spawn(
                     RedisIOActor(
                         redis_,
                         slots,
@@ -340,7 +354,7 @@ class WorkerSide:
                     ),
                     name="redis",
                 )
-            return _Refs(store=store, load=load, disk=disk)
+            return _Refs(store=store, load=load, disk=disk, redis=redis)
 
         # Redis's sockets need a loop running between engine steps: a loop thread.
         kind = "thread" if redis_ is not None else self.cfg.runtime
@@ -448,7 +462,7 @@ class WorkerSide:
         if not meta.loads or self._refs is None:
             return
         jobs = []
-        reads: list[tuple[JobSpec, DiskChunks]] = []
+        reads: list[JobSpec] = []
         for spec in meta.loads:
             blocks = [int(b) for p in spec.copy.parts for b in p.device_blocks]
             self._load_req[spec.copy.job_id] = (spec.req_id, blocks)
@@ -464,8 +478,8 @@ class WorkerSide:
                         reason="rejected",
                     )
                 )
-            elif spec.disk_reads is not None:
-                reads.append((spec, spec.disk_reads))
+            elif spec.disk_reads is not None or spec.redis_reads is not None:
+                reads.append(spec)
             else:
                 jobs.append(spec.copy)
         self._remember_traces(meta.loads)
@@ -474,39 +488,66 @@ class WorkerSide:
         if reads:
             self._start_disk_loads(reads)
 
-    def _start_disk_loads(self, specs: list[tuple[JobSpec, DiskChunks]]) -> None:
-        """Read each load's chunks into its host slots, then copy (chained in the disk
-        actor, ordered after the compute enqueued so far on this thread)."""
+    def _start_disk_loads(self, specs: list[JobSpec]) -> None:
+        """Read each load's chunks into its host slots (its disk chunks, then its Redis
+        chunks), then copy: each step chained in the actor that ends the one before,
+        ordered after the compute enqueued so far on this thread."""
         refs = self._refs
         if refs is None:
             return
-        if refs.disk is None:
-            # The scheduler planned disk reads for a worker without the tier (configs
-            # that differ): every chunk fails here, and so does the load.
-            self._log.error(
-                "disk_read_without_disk_tier", job_ids=[s.copy.job_id for s, _ in specs]
-            )
-            for spec, chunks in specs:
-                self._disk_ended.append(_not_run(spec.copy.job_id, "read", len(chunks.keys)))
-            return
         mark = capture_compute(self._engine)
-        msgs: list[DiskIOMsg] = [
-            ReadChunks(
-                job_id=spec.copy.job_id,
-                keys=keys_array(chunks.keys),
-                slots=chunks.slots,
-                then=_CopyWhenRead(load=refs.load, job=spec.copy, compute=mark),
-            )
-            for spec, chunks in specs
-        ]
-        self._tell_disk(refs.disk, msgs)
+        disk_msgs: list[DiskIOMsg] = []
+        redis_msgs: list[RedisIOMsg] = []
+        for spec in specs:
+            job_id = spec.copy.job_id
+            missing = [
+                tier
+                for tier, chunks, ref in (
+                    ("disk", spec.disk_reads, refs.disk),
+                    ("redis", spec.redis_reads, refs.redis),
+                )
+                if chunks is not None and ref is None
+            ]
+            if missing:
+                # The scheduler planned reads of a tier this worker lacks (configs that
+                # differ): the load fails here.
+                self._log.error("read_without_its_tier", job_id=job_id, tiers=missing)
+                chunks = spec.disk_reads if missing[0] == "disk" else spec.redis_reads
+                n = len(chunks.keys) if chunks is not None else 0
+                self._disk_ended.append((missing[0], _not_run(job_id, "read", n)))
+                continue
+            then: Any = _CopyWhenRead(load=refs.load, job=spec.copy, compute=mark)
+            if spec.redis_reads is not None and refs.redis is not None:
+                read = ReadChunks(
+                    job_id=job_id,
+                    keys=keys_array(spec.redis_reads.keys),
+                    slots=spec.redis_reads.slots,
+                    then=then,
+                )
+                if spec.disk_reads is None:
+                    redis_msgs.append(read)
+                    continue
+                then = _ThenRead(ref=refs.redis, read=read)
+            if spec.disk_reads is not None:
+                disk_msgs.append(
+                    ReadChunks(
+                        job_id=job_id,
+                        keys=keys_array(spec.disk_reads.keys),
+                        slots=spec.disk_reads.slots,
+                        then=then,
+                    )
+                )
+        if refs.disk is not None:
+            self._tell_disk(refs.disk, disk_msgs)
+        if refs.redis is not None:
+            self._tell_disk(refs.redis, redis_msgs)
 
-    def _tell_disk(self, ref: ActorRef[Any], msgs: list[DiskIOMsg]) -> None:
-        """``msgs`` to the disk actor, in order, in one runtime call."""
+    def _tell_disk(self, ref: ActorRef[Any], msgs: Sequence[DiskIOMsg | RedisIOMsg]) -> None:
+        """``msgs`` to a tier's actor, in order, in one runtime call."""
         if len(msgs) == 1:
             self.runtime.call(ref.tell, msgs[0])  # type: ignore[union-attr]
         elif msgs:
-            self.runtime.call(_tell_all, ref, msgs)  # type: ignore[union-attr]
+            self.runtime.call(_tell_all, ref, list(msgs))  # type: ignore[union-attr]
 
     def wait_for_save(self, meta: KVFerryMetadata) -> None:
         if self._refs is None:
@@ -519,27 +560,35 @@ class WorkerSide:
         if meta.stores:
             self._submit(self._refs.store, [s.copy for s in meta.stores])
         if meta.disk_deletes or meta.disk_writes:
-            self._write_disk(self._refs, meta)
+            self._write_down(self._refs.disk, "disk", meta.disk_writes, meta.disk_deletes)
+        if meta.redis_writes:
+            self._write_down(self._refs.redis, "redis", meta.redis_writes, [])
 
-    def _write_disk(self, refs: _Refs, meta: KVFerryMetadata) -> None:
-        """This step's disk deletes, then its disk writes: after its stores (the slots
+    def _write_down(
+        self,
+        ref: ActorRef[Any] | None,
+        tier: Literal["disk", "redis"],
+        writes: list[DiskWriteSpec],
+        deletes: list[bytes],
+    ) -> None:
+        """This step's deletes, then its writes of a tier: after its stores (the slots
         written down were stored and acknowledged before; pinned until the write's ack)."""
-        if refs.disk is None:
-            if meta.disk_writes:
+        if ref is None:
+            if writes:
                 self._log.error(
-                    "disk_write_without_disk_tier", job_ids=[w.job_id for w in meta.disk_writes]
+                    "write_without_its_tier", tier=tier, job_ids=[w.job_id for w in writes]
                 )
-            for w in meta.disk_writes:
-                self._disk_ended.append(_not_run(w.job_id, "write", len(w.chunks.keys)))
+            for w in writes:
+                self._disk_ended.append((tier, _not_run(w.job_id, "write", len(w.chunks.keys))))
             return
         msgs: list[DiskIOMsg] = []
-        if meta.disk_deletes:
-            msgs.append(DeleteChunks(keys=keys_array(meta.disk_deletes)))
+        if deletes:
+            msgs.append(DeleteChunks(keys=keys_array(deletes)))
         msgs.extend(
             WriteChunks(job_id=w.job_id, keys=keys_array(w.chunks.keys), slots=w.chunks.slots)
-            for w in meta.disk_writes
+            for w in writes
         )
-        self._tell_disk(refs.disk, msgs)
+        self._tell_disk(ref, msgs)
 
     def _remember_traces(self, specs: list[JobSpec]) -> None:
         if not self.trace.enabled:
@@ -561,13 +610,12 @@ class WorkerSide:
             return None, None
         polled: _Polled = self.runtime.call(self._poll, self._refs)  # type: ignore[union-attr]
         results = polled.copies
-        disk = polled.disk
-        if self._disk_ended:
-            disk = self._disk_ended + disk
-            self._disk_ended = []
-        if disk:
+        ended = [*self._disk_ended, *(("disk", r) for r in polled.disk)]
+        ended.extend(("redis", r) for r in polled.redis)
+        self._disk_ended = []
+        if ended:
             # Before the copies: a load's reads ended no later than its copy did.
-            results = self._disk_jobs_ended(disk) + results
+            results = self._disk_jobs_ended(ended) + results
         if self._planned_failures:
             results = self._planned_failures + results
             self._planned_failures = []
@@ -596,9 +644,10 @@ class WorkerSide:
             ack = self._acks.setdefault(res.job_id, [0, 0])
             ack[0] += 1
             ack[1] += 0 if ok else 1
-            read = self._read_outcomes.pop(res.job_id, None)
-            if read is not None:
-                self._disk_failed[res.job_id] = read
+            for tier, outcomes in (("disk", self._disk_failed), ("redis", self._redis_failed)):
+                read = self._read_outcomes.pop((tier, res.job_id), None)
+                if read is not None:
+                    outcomes[res.job_id] = read
             key = res.direction
             self._stats[f"{key}_bytes"] = self._stats.get(f"{key}_bytes", 0.0) + res.nbytes
             self._stats[f"{key}_seconds"] = self._stats.get(f"{key}_seconds", 0.0) + res.seconds
@@ -631,16 +680,20 @@ class WorkerSide:
         disk: list[DiskJobResult] = (
             [] if refs.disk is None else await refs.disk.ask(lambda r: PollDiskJobs(reply=r))
         )
-        return _Polled(copies=loads + stores, disk=disk)
+        # After the disk: a Redis read chained after a disk read starts once that ended.
+        redis: list[DiskJobResult] = (
+            [] if refs.redis is None else await refs.redis.ask(lambda r: PollDiskJobs(reply=r))
+        )
+        return _Polled(copies=loads + stores, disk=disk, redis=redis)
 
-    def _disk_jobs_ended(self, ended: list[DiskJobResult]) -> list[JobResult]:
-        """Account for disk jobs that ended: a write is acknowledged now, with its chunks'
-        outcomes; a read's outcomes wait for its load's end. Returns the loads whose reads
-        failed, as failed jobs (their copies were never started)."""
+    def _disk_jobs_ended(self, ended: list[tuple[str, DiskJobResult]]) -> list[JobResult]:
+        """Account for the jobs of the tiers below (disk, Redis) that ended: a write is
+        acknowledged now, with its chunks' outcomes; a read's outcomes wait for its load's
+        end. Returns the loads whose reads failed, as failed jobs (their copies were never
+        started)."""
         failed: list[JobResult] = []
         stats = self._stats
-        tier = self._lower_name
-        for res in ended:
+        for tier, res in ended:
             bad = res.outcomes != Outcome.OK
             per_chunk = [int(b) for b in bad]
             n_bad = int(bad.sum())
@@ -648,7 +701,9 @@ class WorkerSide:
                 ack = self._acks.setdefault(res.job_id, [0, 0])
                 ack[0] += 1
                 ack[1] += 1 if n_bad else 0
-                self._disk_failed[res.job_id] = per_chunk
+                (self._redis_failed if tier == "redis" else self._disk_failed)[res.job_id] = (
+                    per_chunk
+                )
                 _add(stats, f"{tier}_write_bytes", res.nbytes)
                 _add(stats, f"{tier}_write_seconds", res.seconds)
                 _add(stats, f"{tier}_writes_failed", n_bad)
@@ -660,9 +715,9 @@ class WorkerSide:
             load = self._load_req.get(res.job_id)
             if load is None:
                 # Reads are only sent for this worker's loads, which end once: a bug.
-                self._log.error("disk_read_for_unknown_load", job_id=res.job_id)
+                self._log.error("read_for_unknown_load", tier=tier, job_id=res.job_id)
                 continue
-            self._read_outcomes[res.job_id] = per_chunk
+            self._read_outcomes[(tier, res.job_id)] = per_chunk
             if n_bad:
                 outcomes = sorted({Outcome(int(o)).name for o in res.outcomes[bad]})
                 log = self._log.debug if self._disk_load_failure_logged else self._log.warning
@@ -698,12 +753,15 @@ class WorkerSide:
         return errors
 
     def build_worker_meta(self) -> KVFerryWorkerMetadata | None:
-        if not self._acks and not self._stats and not self._disk_failed:
+        if not (self._acks or self._stats or self._disk_failed or self._redis_failed):
             return None
         meta = KVFerryWorkerMetadata(
-            acks=self._acks, stats=self._stats, disk_failed=self._disk_failed
+            acks=self._acks,
+            stats=self._stats,
+            disk_failed=self._disk_failed,
+            redis_failed=self._redis_failed,
         )
-        self._acks, self._stats, self._disk_failed = {}, {}, {}
+        self._acks, self._stats, self._disk_failed, self._redis_failed = {}, {}, {}, {}
         return meta
 
     def shutdown(self) -> None:

@@ -120,3 +120,40 @@ def test_a_tier_written_on_eviction_keeps_host_room_free_unless_told_otherwise()
     assert through.eviction_watermarks == (1.0, 1.0)
     assert on_evict.tiers[0].write == "on_evict" and on_evict.eviction_watermarks == (0.9, 0.95)
     assert told.eviction_watermarks == (1.0, 1.0)
+
+
+REDIS = {"kind": "redis", "url": "redis://127.0.0.1:6379/0"}
+DISK = {"kind": "disk", "path": "/tmp/kvferry-cfg", "bytes_to_use": 1 << 30}
+
+
+@pytest.mark.parametrize(
+    ("tiers", "key", "why"),
+    [
+        ([{"kind": "s3"}], "tiers[0].kind", "'disk' or 'redis'"),
+        ([{"kind": "redis"}], "tiers[0].url", "either url or cluster"),
+        ([{**REDIS, "cluster": ["redis://a:1"]}], "tiers[0].url", "either url or cluster"),
+        ([{"kind": "redis", "cluster": "redis://a:1"}], "tiers[0].cluster", "non-empty list"),
+        ([{**REDIS, "ttl_s": 0}], "tiers[0].ttl_s", "must be > 0"),
+        ([{**REDIS, "lookup_wait_ms": -1}], "tiers[0].lookup_wait_ms", ">= 0"),
+        ([{**REDIS, "op_timeout_s": 0}], "tiers[0].op_timeout_s", "> 0"),
+        ([{**REDIS, "encrypt_key": 7}], "tiers[0].encrypt_key", "hex string"),
+        ([{**REDIS, "max_queued_writes": -1}], "tiers[0].max_queued_writes", ">= 0"),
+        ([{**REDIS, "breaker_threshold": 0}], "tiers[0].breaker_threshold", "> 0"),
+        ([{**REDIS, "urls": "x"}], "tiers[0].urls", "unknown key"),
+        ([REDIS, DISK], "tiers[1]", "disk tier comes before the redis tier"),
+        ([DISK, DISK], "tiers[1]", "at most one disk tier and one redis tier"),
+        ([DISK, REDIS, REDIS], "tiers[2]", "at most one disk tier and one redis tier"),
+    ],
+)
+def test_a_bad_tiers_entry_names_its_key(tiers: list[Any], key: str, why: str) -> None:
+    with pytest.raises(ConfigError, match=why) as info:
+        FerryConfig.from_dict({"cpu_bytes_to_use": 10**7, "tiers": tiers})
+    assert info.value.key == key
+
+
+def test_a_disk_and_a_redis_tier_parse_in_that_order() -> None:
+    cfg = FerryConfig.from_dict(
+        {"cpu_bytes_to_use": 10**7, "tiers": [DISK, {**REDIS, "lookup_wait_ms": 0}]}
+    )
+    assert [t.kind for t in cfg.tiers] == ["disk", "redis"]
+    assert cfg.tiers[1].index == 1 and cfg.tiers[1].lookup_wait_ms == 0.0

@@ -26,12 +26,19 @@ pytestmark = pytest.mark.skipif(not redis_available(), reason="needs redis-serve
 
 
 class Engine(Halves):
-    """Both halves with a Redis tier (``redis``: the tier's keys, ``url`` or ``cluster``)."""
+    """Both halves with a Redis tier (``redis``: the tier's keys, ``url`` or ``cluster``),
+    or the config ``extra``."""
 
     def __init__(
-        self, make_vllm_config: Any, kv_cache_config: Any, seed: int, **redis: Any
+        self,
+        make_vllm_config: Any,
+        kv_cache_config: Any,
+        seed: int,
+        extra: dict[str, Any] | None = None,
+        **redis: Any,
     ) -> None:
-        extra = {"cpu_bytes_to_use": 8 * SLOT_BYTES, "tiers": [{"kind": "redis", **redis}]}
+        if extra is None:
+            extra = {"cpu_bytes_to_use": 8 * SLOT_BYTES, "tiers": [{"kind": "redis", **redis}]}
         super().__init__(make_vllm_config, kv_cache_config, extra, seed)
 
     def lookup(self, req: Any) -> tuple[int | None, bool]:
@@ -294,3 +301,46 @@ def redis_get(server: RedisServer, name: str) -> bytes:
         value = client.get(name)
     assert isinstance(value, bytes)
     return value
+
+
+def test_with_a_disk_tier_too_a_load_reads_disk_then_redis_chunks(
+    make_vllm_config: Any, kv_cache_config: Any, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    from kvferry.cache import ClearAll
+    from kvferry.tiers._format import file_size
+
+    redis_server.cli("flushall")
+
+    def engine(seed: int, path: Path) -> Engine:
+        disk = {"kind": "disk", "path": str(path), "bytes_to_use": 16 * file_size(SLOT_BYTES)}
+        redis = {"kind": "redis", "url": redis_server.url}
+        extra = {"cpu_bytes_to_use": 8 * SLOT_BYTES, "tiers": [disk, redis]}
+        return Engine(make_vllm_config, kv_cache_config, seed, extra=extra)
+
+    a, b = engine(1, tmp_path / "a"), engine(2, tmp_path / "b")
+    try:
+        # A: a 2-chunk prompt, written through to its disk and to Redis.
+        short = request("short", 2 * BLOCK + 8, seed=21)
+        store(a, short, [1, 2, 3])
+        a.run_until(lambda: a.sched.statistics().disk_chunks_written == 2)
+        # B: the same prefix, 3 chunks long (its third chunk only B computed), to Redis.
+        long = request("long", 3 * BLOCK + 8, seed=21)
+        store(b, long, [1, 2, 3, 4])
+        b.run_until(lambda: b.sched.statistics().disk_chunks_written == 3)  # B's own disk
+        # A forgets its host memory; the long prompt: chunks 0-1 on A's disk, chunk 2 in
+        # Redis only: one load reads the disk's, then Redis's, then copies.
+        a.sched._ask(ClearAll)
+        again = request("again", 3 * BLOCK + 8, seed=21)
+        a.sched.on_new_request(again)
+        assert a.lookup(again) == (3 * BLOCK, True)
+        a.sched.update_state_after_alloc(again, allocated([9, 10, 11, 12]), 3 * BLOCK)
+        a.run_until(lambda: "again" in a.recving)
+        assert not a.load_errors
+        assert [a.block(x) for x in (9, 10)] == [a.block(x) for x in (1, 2)]
+        assert a.block(11) == b.block(3)
+        stats = a.sched.statistics()
+        assert stats.disk_read_bytes == 2 * SLOT_BYTES and stats.redis_read_bytes == SLOT_BYTES
+        assert stats.disk_tokens_hit == 2 * BLOCK and stats.redis_tokens_hit == BLOCK
+    finally:
+        a.close()
+        b.close()
