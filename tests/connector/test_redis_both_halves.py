@@ -344,3 +344,35 @@ def test_with_a_disk_tier_too_a_load_reads_disk_then_redis_chunks(
     finally:
         a.close()
         b.close()
+
+
+def test_chunks_written_to_redis_are_announced_with_medium_redis(
+    make_vllm_config: Any, kv_cache_config: Any, redis_server: RedisServer
+) -> None:
+    """A block written to Redis is a BlockStored of medium REDIS with its tokens, as the
+    host tier's (routers rebuild their keys from these fields)."""
+    from vllm.config import KVEventsConfig
+    from vllm.distributed.kv_events import BlockStored
+
+    redis_server.cli("flushall")
+
+    def with_events(extra: dict[str, Any]) -> Any:
+        config = make_vllm_config(extra)
+        config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+        return config
+
+    e = Engine(with_events, kv_cache_config, 0, url=redis_server.url)
+    try:
+        req = request("r1", 2 * BLOCK + 8, seed=31)
+        req.all_token_ids = list(range(1000, 1000 + 2 * BLOCK + 8))
+        req.lora_request = None
+        store(e, req, [1, 2, 3])
+        stored = [ev for ev in e.sched.take_events() if isinstance(ev, BlockStored)]
+        by_medium = {ev.medium: ev for ev in stored}
+        assert set(by_medium) == {"CPU", "REDIS"}
+        redis = by_medium["REDIS"]
+        assert redis.block_hashes == by_medium["CPU"].block_hashes
+        assert redis.token_ids == list(range(1000, 1000 + 2 * BLOCK))
+        assert redis.parent_block_hash is None and redis.block_size == BLOCK
+    finally:
+        e.close()
