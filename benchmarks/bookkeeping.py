@@ -18,8 +18,12 @@ Figures:
   holding 1,000,000 blocks after 1,000,000 more were stored through it (evictions done,
   ghost lists full), keys of 36 bytes (a 32-byte block hash + a 4-byte group), held by
   nothing but the structure.
-- index: the cost of resolving a request's keys with a dict (what the directory uses)
-  and with a compact numpy table (no Python object per key), and their bytes per key.
+- the directory's two key indexes: the default ``index="dict"`` (a dict of the caller's
+  keys) and ``index="compact"`` (no Python object per block): ``*_compact`` keys in the
+  JSON.
+- index: the cost of resolving a request's keys with a dict (the directory's default)
+  and with the directory's compact :class:`~kvferry.cache._index.KeyIndex` (no Python
+  object per key), and their bytes per key.
 
 - scaling: a full directory of 10k, 100k, 1M and 4M slots, at watermarks (1, 1) (every
   store evicts inline) and the default ones (the evictor's batches), then the same
@@ -57,7 +61,7 @@ from typing import Any
 import numpy as np
 
 from kvferry.cache import DEFAULT_WATERMARKS, Directory
-from kvferry.cache._table import TagTable, tags_of
+from kvferry.cache._index import KeyIndex
 
 Keys = tuple[bytes, ...]
 
@@ -249,45 +253,24 @@ def vllm_manager(n: int, policy: str) -> Any:
     return CPUOffloadingManager(n, cache_policy=policy)
 
 
-# -- the index alternative ---------------------------------------------------------------
-
-
-class CompactIndex:
-    """What the directory's dict would be as a numpy table: key bytes in one matrix, a
-    :class:`~kvferry.cache._table.TagTable` from tag to slot, verified against the bytes."""
-
-    def __init__(self, n: int, key_len: int = 36) -> None:
-        self.table = TagTable(n)
-        self.keys = np.zeros((n, key_len), np.uint8)
-        self.next = 0
-
-    def insert(self, keys: list[bytes]) -> None:
-        slots = np.arange(self.next, self.next + len(keys))
-        self.next += len(keys)
-        self.keys[slots] = np.frombuffer(b"".join(keys), np.uint8).reshape(len(keys), -1)
-        self.table.insert(tags_of(keys), slots)
-
-    def find(self, keys: Sequence[bytes]) -> np.ndarray:
-        slots = self.table.values_at(self.table.find(tags_of(keys)))
-        query = np.frombuffer(b"".join(keys), np.uint8).reshape(len(keys), -1)
-        ok = (self.keys[slots] == query).all(1) & (slots >= 0)
-        return np.where(ok, slots, -1)
+# -- the index alone ---------------------------------------------------------------------
 
 
 def index_figures(n: int, batches: list[list[bytes]]) -> dict[str, float]:
-    """µs to resolve one request's keys, and bytes per key, dict vs compact table."""
+    """µs to resolve one request's keys, and bytes per key: a dict (the directory's
+    default) against its compact :class:`~kvferry.cache._index.KeyIndex`."""
     out: dict[str, float] = {}
     for name in ("dict", "compact"):
         gc.collect()
         tracemalloc.start()
         base = tracemalloc.get_traced_memory()[0]
-        idx: Any = {} if name == "dict" else CompactIndex(n)
+        idx: Any = {} if name == "dict" else KeyIndex(n)
         for i in range(0, n, 1024):
             keys = [key(j) for j in range(i, min(n, i + 1024))]
             if name == "dict":
                 idx.update(zip(keys, range(i, i + len(keys)), strict=True))
             else:
-                idx.insert(keys)
+                idx.insert(keys, np.arange(i, i + len(keys)))
         gc.collect()
         out[f"{name}_bytes_per_key"] = (tracemalloc.get_traced_memory()[0] - base) / n
         tracemalloc.stop()
@@ -342,6 +325,7 @@ def scaling_run(
     new: int = 64,
     window: int = 8,
     segments: int = 3,
+    index: str = "dict",
 ) -> dict[str, Any]:
     """A full directory of ``capacity`` slots, then ``requests`` requests in steady state.
 
@@ -354,7 +338,7 @@ def scaling_run(
     """
     rng = np.random.default_rng(seed)
     per = reused + new
-    d = Directory(capacity, policy=policy, watermarks=watermarks)
+    d = Directory(capacity, policy=policy, watermarks=watermarks, index=index)
     history: list[list[bytes]] = []
     fill = random_keys(rng, capacity)
     for i in range(0, capacity, 1024):
@@ -403,12 +387,16 @@ def scaling_run(
 
 
 def scaling_table(
-    seed: int, requests: int, capacities: dict[str, int], policies: Sequence[str]
+    seed: int,
+    requests: int,
+    capacities: dict[str, int],
+    policies: Sequence[str],
+    index: str = "dict",
 ) -> dict[str, float]:
     """Per-op time and eviction cost from 10k to 4M slots; prints the table."""
     print(
-        f"\nscaling (seed {seed}): full directory, then {requests} requests of 32 reused + "
-        "64 new keys (the new ones evict as many)"
+        f"\nscaling (seed {seed}, {index} index): full directory, then {requests} requests "
+        "of 32 reused + 64 new keys (the new ones evict as many)"
     )
     print(
         f"  {'capacity':>8} {'policy':7} {'watermarks':10} {'ns/op min':>9} {'max':>6} "
@@ -420,7 +408,7 @@ def scaling_table(
         for policy in policies:
             for wname, wm in WATERMARKS.items():
                 gc.collect()
-                r = scaling_run(cap, policy, wm, seed=seed, requests=requests)
+                r = scaling_run(cap, policy, wm, seed=seed, requests=requests, index=index)
                 per_op[cname, policy, wname] = min(r["ns_per_op"])
                 evict[cname] = max(evict.get(cname, 0.0), r["evict_us_per_key"])
                 print(
@@ -463,6 +451,8 @@ def speed_table(
         "kvferry lru, evict inline (1,1)": lambda: KVFerryDriver(
             capacity, "lru", watermarks=(1.0, 1.0)
         ),
+        "kvferry lru, compact index": lambda: KVFerryDriver(capacity, "lru", index="compact"),
+        "kvferry arc, compact index": lambda: KVFerryDriver(capacity, "arc", index="compact"),
     }
     hit: dict[str, float] = {}
     cpu: dict[str, float] = {name: float("inf") for name in systems}
@@ -488,6 +478,7 @@ def memory_table(n: int) -> dict[str, float]:
         "kvferry arc": (lambda c: Directory(c, policy="arc"), kvferry_store),
         "vllm arc": (lambda c: vllm_manager(c, "arc"), vllm_store),
         "kvferry s3fifo": (lambda c: Directory(c, policy="s3fifo"), kvferry_store),
+        "kvferry lru, compact index": (lambda c: Directory(c, index="compact"), kvferry_store),
     }
     mem: dict[str, float] = {}
     print(f"\nbytes per block, {n} blocks held, steady state (2n stored, then n/2 more):")
@@ -515,6 +506,7 @@ def main() -> None:
     ap.add_argument("--skip-replay", action="store_true", help="no trace replay against vLLM")
     ap.add_argument("--skip-scaling", action="store_true", help="no 10k..4M capacity table")
     ap.add_argument("--scaling-requests", type=int, default=1500)
+    ap.add_argument("--index", choices=("dict", "compact"), default="dict", help="for scaling")
     args = ap.parse_args()
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(3), "big")
     print(f"seed {seed}")
@@ -532,6 +524,9 @@ def main() -> None:
         hit, cpu = speed_table(trace, capacity, args.repeats, args.window)
         for p in ("lru", "arc"):
             ratios.setdefault(p, []).append(cpu[f"kvferry {p}"] / cpu[f"vllm {p}"])
+            ratios.setdefault(f"{p}_compact", []).append(
+                cpu[f"kvferry {p}, compact index"] / cpu[f"vllm {p}"]
+            )
         for name, h in hit.items():
             rates.setdefault(name, []).append(h)
     if args.runs > 1 and ratios:
@@ -541,10 +536,11 @@ def main() -> None:
         for p, r in ratios.items():
             print(f"  {p}: {spread(r)}")
     n = 100_000 if args.quick else 1_000_000
-    mem_ratio: dict[str, float | None] = {"lru": None, "arc": None}
+    mem_ratio: dict[str, float | None] = {"lru": None, "arc": None, "lru_compact": None}
     if not args.skip_memory:
         mem = memory_table(n)
         mem_ratio = {p: round(mem[f"kvferry {p}"] / mem[f"vllm {p}"], 3) for p in ("lru", "arc")}
+        mem_ratio["lru_compact"] = round(mem["kvferry lru, compact index"] / mem["vllm lru"], 3)
         idx = index_figures(n, [list(keys) for keys in make_trace(seed=seed)[0][:2000]])
         print(
             f"\nkey index, {n} keys: dict {idx['dict_bytes_per_key']:.0f} B/key, "
@@ -556,7 +552,11 @@ def main() -> None:
     if not args.skip_scaling:
         caps = CAPACITIES if not args.quick else {"10k": 10_000, "100k": 100_000}
         scaling = scaling_table(
-            seed, 300 if args.quick else args.scaling_requests, caps, ("lru", "arc", "s3fifo")
+            seed,
+            300 if args.quick else args.scaling_requests,
+            caps,
+            ("lru", "arc", "s3fifo"),
+            args.index,
         )
 
     def median(values: list[float] | None) -> float | None:
@@ -576,6 +576,11 @@ def main() -> None:
                 "ns_per_op_vs_vllm_arc_spread": span(ratios.get("arc")),
                 "bytes_per_block_vs_vllm": mem_ratio["lru"],
                 "bytes_per_block_vs_vllm_arc": mem_ratio["arc"],
+                "ns_per_op_vs_vllm_lru_compact": median(ratios.get("lru_compact")),
+                "ns_per_op_vs_vllm_lru_compact_spread": span(ratios.get("lru_compact")),
+                "ns_per_op_vs_vllm_arc_compact": median(ratios.get("arc_compact")),
+                "ns_per_op_vs_vllm_arc_compact_spread": span(ratios.get("arc_compact")),
+                "bytes_per_block_vs_vllm_compact": mem_ratio["lru_compact"],
                 "hit_rate_lru": median(rates.get("kvferry lru")),
                 "hit_rate_arc": median(rates.get("kvferry arc")),
                 "hit_rate_s3fifo": median(rates.get("kvferry s3fifo")),

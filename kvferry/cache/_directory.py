@@ -19,10 +19,14 @@ in flight, a policy choosing a victim that is not evictable) is a bug elsewhere:
 concerned are left alone, and it is logged (``invariant_broken``, an
 :class:`~kvferry.InvariantError`) and counted in ``invariant_errors``, never asserted.
 
-Per-slot state lives in numpy arrays; the key → slot map is one ``dict`` of the caller's
-key objects (``benchmarks/bookkeeping.py`` measures it against a compact numpy table at 1M
-keys of 36 bytes: the dict resolves a request's ~35 keys in 7 µs against 30 µs, and holds
-143 bytes a key against 61). Which block
+Per-slot state lives in numpy arrays. The key → slot map is, by default, a dict of the
+caller's key objects (:class:`~kvferry.cache._index.DictIndex`, the cheapest per request),
+or with ``index="compact"`` a :class:`~kvferry.cache._index.KeyIndex` (the keys' bytes in
+one buffer, an open-addressing int32 table of slots by their digest, a bounded dict of
+recent answers; no Python object per block, less than half the bytes, about twice the CPU
+time per request). A request's keys are resolved once: the calls that follow a lookup on a
+prefix or a suffix of its keys (its load, its store) reuse that resolution while no key
+came or went in between. Which block
 to evict is the policy's choice (:mod:`~kvferry.cache._policy`); how many, and when, is
 this class's: above the high watermark it asks the policy for enough victims to come down
 to the low one, in one batch.
@@ -39,7 +43,6 @@ owns one, and tests and benchmarks drive one directly.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import cast
 
 import numpy as np
 import numpy.typing as npt
@@ -48,6 +51,7 @@ from .._errors import InvariantError
 from .._logging import get_logger
 from ._admission import DEFAULT_WATERMARKS, AdmissionFilter, check_store_threshold, check_watermarks
 from ._events import MEDIUM, AllBlocksCleared, BlocksRemoved, BlocksStored, KVEvent
+from ._index import DictIndex, KeyIndex
 from ._policy import EvictionPolicy, make_policy
 from ._statistics import DirectoryStatistics
 from ._table import tags_of
@@ -73,6 +77,10 @@ class Directory:
     last ``tracker_size`` distinct keys offered. ``events``: record :mod:`KV events
     <kvferry.cache._events>` for :meth:`take_events`. ``write_back``: evicted slots are
     DEMOTING until :meth:`end_demotions` (their bytes are written to a lower tier first).
+    ``index``: the key index, ``"dict"`` (the caller's key objects in a dict, ~150 bytes a
+    block) or ``"compact"`` (no Python object per block, ~65 bytes a block, about twice
+    the CPU time per request on the 2-core machine: ``benchmarks/bookkeeping.py``; for a
+    tier of millions of blocks).
 
     The per-request calls loop in Python over memoryviews of the state arrays (a numpy
     call costs more than a whole short request) and hand the policy one array per call;
@@ -90,9 +98,12 @@ class Directory:
         events: bool = False,
         medium: str = MEDIUM,
         write_back: bool = False,
+        index: str = "dict",
     ) -> None:
         if num_slots <= 0:
             raise ValueError(f"num_slots must be > 0, got {num_slots}")
+        if index not in ("compact", "dict"):
+            raise ValueError(f'index must be "compact" or "dict", got {index!r}')
         check_store_threshold(store_threshold)
         self.num_slots = num_slots
         self.low, self.high = check_watermarks(watermarks)
@@ -101,9 +112,13 @@ class Directory:
         self._admission = (
             AdmissionFilter(store_threshold, tracker_size) if store_threshold > 1 else None
         )
-        # The key index: the caller's key objects, one dict entry each, and back.
-        self._slot_of: dict[Key, int] = {}
-        self._key_of: list[Key | None] = [None] * num_slots
+        self._index: KeyIndex | DictIndex = (
+            KeyIndex(num_slots) if index == "compact" else DictIndex(num_slots)
+        )
+        # The last batch of keys resolved, and its slots, while the index is unchanged
+        # (``_changes``): a request's load and store reuse its lookup's resolution.
+        self._changes = 0
+        self._last: tuple[int, tuple[Key, ...], list[int]] = (-1, (), [])
         # One extra slot at the end: the FREE sentinel that slot -1 (absent) reads.
         self._state = np.zeros(num_slots + 1, np.int8)
         self._pins = np.zeros(num_slots + 1, np.int32)
@@ -129,14 +144,35 @@ class Directory:
         self.invariant_errors = 0
         """Broken invariants found (and survived) so far: a bug each; see :meth:`_broken`."""
 
+    # -- the key index -------------------------------------------------------------------
+
+    def _find(self, keys: Sequence[Key]) -> list[int]:
+        """The slot of each key (-1: absent). A prefix or a suffix of the last batch
+        resolved is not resolved again while no key came or went since."""
+        k = len(keys)
+        changes, last, slots = self._last
+        if changes == self._changes and 0 < k <= len(last):
+            batch = keys if isinstance(keys, tuple) else tuple(keys)
+            if batch == last[:k]:
+                return slots[:k]
+            if batch == last[len(last) - k :]:
+                return slots[len(last) - k :]
+        slots = self._index.find(keys)
+        self._last = (self._changes, keys if isinstance(keys, tuple) else tuple(keys), slots)
+        return slots
+
+    def _index_keys(self, keys: Sequence[Key], slots: npt.NDArray[np.integer]) -> None:
+        self._changes += 1
+        self._index.insert(keys, slots)
+
     # -- queries -----------------------------------------------------------------------
 
     def lookup(self, keys: Sequence[Key]) -> int:
         """Number of leading ``keys`` that are READY (a hit is only a completed store)."""
         st = self._st
         n = 0
-        for s in map(self._slot_of.get, keys):
-            if s is None or st[s] != READY:
+        for s in self._find(keys):
+            if st[s] != READY:  # -1 (absent) reads the FREE sentinel
                 break
             n += 1
         self.lookups += 1
@@ -147,19 +183,15 @@ class Directory:
     def ready(self, keys: Sequence[Key]) -> npt.NDArray[np.bool_]:
         """For each of ``keys``, whether it is READY (hybrid models look past a miss)."""
         st = self._st
-        out = np.fromiter(
-            ((s := self._slot_of.get(k)) is not None and st[s] == READY for k in keys),
-            dtype=np.bool_,
-            count=len(keys),
-        )
-        n = int(out.sum())
+        out = np.fromiter((st[s] == READY for s in self._find(keys)), np.bool_, len(keys))
+        n = int(np.count_nonzero(out))
         self.lookups += 1
         self.hits += n
         self.misses += len(keys) - n
         return out
 
     def slot_of(self, key: Key) -> int | None:
-        return self._slot_of.get(key)
+        return self._index.find_one(key)
 
     @property
     def used(self) -> int:
@@ -173,18 +205,15 @@ class Directory:
         A load is a reuse: the policy counts it.
         """
         st, pins = self._st, self._pn
-        found = list(map(self._slot_of.get, keys))
-        if None in found:
-            return None
-        slots = cast(list[int], found)
-        for s in slots:
-            if st[s] != READY:
+        found = self._find(keys)
+        for s in found:
+            if st[s] != READY:  # -1 (absent) reads the FREE sentinel
                 return None
-        for s in slots:
+        for s in found:  # a key given twice is pinned twice, and unpinned twice
             pins[s] += 1
-        out = np.array(slots, np.int64)
+        out = np.array(found, np.int64)
         self.policy.reuse(out)
-        self.loads_prepared += len(slots)
+        self.loads_prepared += len(out)
         return out
 
     def complete_load(self, slots: npt.ArrayLike) -> None:
@@ -199,8 +228,8 @@ class Directory:
         eviction comes in between. A lease is not recency: a waiting request is looked up
         again every step, and its blocks get their recency when it ends (:meth:`touch`).
         """
-        get, st, pins = self._slot_of.get, self._st, self._pn
-        slots = [s for key in keys if (s := get(key, -1)) >= 0 and st[s] == READY]
+        st, pins = self._st, self._pn
+        slots = [s for s in self._find(keys) if st[s] == READY]
         for s in slots:
             pins[s] += 1
         return np.array(slots, np.int64)
@@ -229,8 +258,8 @@ class Directory:
 
     def touch(self, keys: Sequence[Key]) -> None:
         """A request finished with these keys (head first): recency for the policy."""
-        get, st = self._slot_of.get, self._st
-        slots = [s for key in keys if (s := get(key, -1)) >= 0 and st[s] == READY]
+        st = self._st
+        slots = [s for s in self._find(keys) if st[s] == READY]
         if slots:
             self.policy.touch(np.array(slots, np.int64))
 
@@ -247,13 +276,13 @@ class Directory:
         a future miss.
         """
         k = len(keys)
-        found = list(map(self._slot_of.get, keys))
+        found = self._find(keys)
         idx: list[int] | range = range(k)
         protect = None
-        if found.count(None) < k:  # some present: skip them, count a reuse of the READY ones
+        if max(found, default=-1) >= 0:  # some present: skip them, count a reuse of the READY
             st = self._st
-            idx = [i for i, s in enumerate(found) if s is None]
-            reused = [s for s in found if s is not None and st[s] == READY]
+            idx = [i for i, s in enumerate(found) if s < 0]
+            reused = [s for s in found if st[s] == READY]
             if reused:
                 protect = np.array(reused, np.int64)
                 self.policy.reuse(protect)
@@ -290,11 +319,7 @@ class Directory:
         top = self._num_free
         new = self._free[top - m : top][::-1]
         self._num_free = top - m
-        slots = new.tolist()
-        key_of = self._key_of
-        for s, key in zip(slots, new_keys, strict=False):
-            key_of[s] = key
-        self._slot_of.update(zip(new_keys, slots, strict=False))
+        self._index_keys(new_keys if m == need else new_keys[:m], new)
         self._state[new] = STORING
         if self._uses_tags and tags is not None:
             self._tag[new] = tags[:m]
@@ -348,24 +373,26 @@ class Directory:
             self.stores_failed += len(arr)
 
     def _keys_of(self, slots: list[int]) -> list[Key]:
-        key_of = self._key_of
-        return [key for s in slots if (key := key_of[s]) is not None]
+        arr = np.asarray(slots, np.int64)
+        return self._index.keys_of(arr[self._index.holds(arr)])
 
     def _unindex(self, slots: list[int]) -> None:
-        key_of, slot_of = self._key_of, self._slot_of
-        for s in slots:
-            key = key_of[s]
-            if key is None:
+        arr = np.asarray(slots, np.int64)
+        held = self._index.holds(arr)
+        if not held.all():
+            for s in arr[~held].tolist():
                 self._broken("unindex_of_a_slot_without_key", "skipped", slot=s)
-                continue
-            del slot_of[key]
-            key_of[s] = None
+            arr = arr[held]
+        self._changes += 1
+        self._index.remove(arr)
 
     def restore(self, keys: Sequence[Key]) -> int:
         """Enter ``keys`` as READY without a store (a lower tier's files found at start):
         no admission, no events (nothing new was stored); up to the free slots, in order.
         Returns how many were entered; the rest are the caller's to drop."""
-        new = [k for k in dict.fromkeys(keys) if k not in self._slot_of]
+        distinct = list(dict.fromkeys(keys))
+        found = self._index.find(distinct)
+        new = [k for k, s in zip(distinct, found, strict=True) if s < 0]
         m = min(len(new), self._num_free)
         if not m:
             return 0
@@ -373,9 +400,7 @@ class Directory:
         top = self._num_free
         slots = self._free[top - m : top][::-1].astype(np.int64)
         self._num_free = top - m
-        for s, key in zip(slots.tolist(), new, strict=True):
-            self._key_of[s] = key
-            self._slot_of[key] = s
+        self._index_keys(new, slots)
         self._state[slots] = READY
         tags = tags_of(new) if self._uses_tags else None
         if tags is not None:
@@ -386,8 +411,8 @@ class Directory:
     def discard(self, keys: Sequence[Key]) -> list[Key]:
         """Drop these keys if READY and unpinned (a lower tier found them bad or gone);
         returns those dropped (their removal is an event, like an eviction)."""
-        get, st, pins = self._slot_of.get, self._st, self._pn
-        slots = [s for k in keys if (s := get(k, -1)) >= 0 and st[s] == READY and not pins[s]]
+        st, pins = self._st, self._pn
+        slots = [s for s in self._find(keys) if st[s] == READY and not pins[s]]
         if not slots:
             return []
         arr = np.array(sorted(set(slots)), np.int64)
@@ -470,13 +495,13 @@ class Directory:
         dropped meanwhile are not handed out (their bytes are of no use): freed now."""
         if not self._demoting:
             return np.zeros(0, np.int64), []
-        slots, self._demoting = self._demoting, []
-        key_of = self._key_of
-        dropped = [s for s in slots if key_of[s] is None]
-        if dropped:
-            self._end(np.array(dropped, np.int64))
-            slots = [s for s in slots if key_of[s] is not None]
-        return np.array(slots, np.int64), self._keys_of(slots)
+        taken = np.array(self._demoting, np.int64)
+        self._demoting = []
+        held = self._index.holds(taken)
+        if not held.all():
+            self._end(taken[~held])
+            taken = taken[held]
+        return taken, self._index.keys_of(taken)
 
     def end_demotions(self, slots: npt.ArrayLike) -> None:
         """Free DEMOTING slots taken by :meth:`take_demotions` (written down or not)."""
@@ -490,13 +515,10 @@ class Directory:
         self._end(np.unique(arr[ok]))
 
     def _end(self, slots: I64) -> None:
-        key_of, slot_of = self._key_of, self._slot_of
-        for s in slots.tolist():
-            key = key_of[s]
-            if key is not None:  # a reset forgot it already
-                if slot_of.get(key) == s:
-                    del slot_of[key]
-                key_of[s] = None
+        held = slots[self._index.holds(slots)]  # not those a reset forgot already
+        if len(held):
+            self._changes += 1
+            self._index.remove(held)
         self._num_demoting -= len(slots)
         self._stuck = False
         self._release(slots)
@@ -542,8 +564,8 @@ class Directory:
         state[ready & pinned] = READY_DROPPED
         state[state == STORING] = STORING_DROPPED
         self._release(np.flatnonzero(ready & ~pinned))
-        self._slot_of.clear()
-        self._key_of = [None] * self.num_slots
+        self._changes += 1
+        self._index.clear()
         self.policy.clear()
         self.resets += 1
         if self._events is not None:

@@ -11,8 +11,8 @@ take and return arrays, one numpy pass per probe round (almost always one round)
 :class:`FingerprintQueue` is a bounded FIFO set of tags with an optional int32 payload,
 on a ring plus a :class:`TagTable` (and each entry's position in the table, so that the
 old end leaves without a search), its memory following its size: the ghost lists (ARC,
-S3-FIFO) and the admission counter use it. (``benchmarks/bookkeeping.py`` also measures a
-:class:`TagTable` as the directory's key index, against the dict the directory uses.)
+S3-FIFO) and the admission counter use it. (The directory's key index is
+:class:`~kvferry.cache._index.KeyIndex`: it verifies full keys, which these tables need not.)
 
 Tags are Python's ``hash()`` of the key bytes, ``| 1`` so that 0 means empty. ``hash()``
 of bytes is salted per process: fine here, these tables live in one process and nothing in

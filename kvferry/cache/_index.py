@@ -1,0 +1,380 @@
+"""The directory's key indexes: bytes key → slot, compact (:class:`KeyIndex`, in flat arrays,
+with no Python object per key) or a dict (:class:`DictIndex`, the default).
+
+Keys are the connector's offload keys (a block hash and a 4-byte group: 36 bytes with
+vLLM's sha256 hashes), all of one length in practice. The index learns that length from
+the first key it stores and keeps every such key's bytes in one buffer, row = slot
+(``length`` bytes a slot). A key of any other length is kept in a small dict beside it:
+it still works, it is only not compact.
+
+The table is open addressing over ``cells`` (int32 slot, ``EMPTY`` for none), about
+``capacity / max_load`` of them (an odd number), with linear probing from a key's home
+cell: its 64-bit digest modulo the number of cells. The digest is Python's ``hash()`` of
+the key bytes (SipHash of every byte, cached on the bytes object: the connector builds a
+request's keys once and asks about them several times); salted per process, which is
+fine for a table that lives in one process and is never persisted (DESIGN §4.8 is about
+the keys themselves). A candidate cell is verified against the full key bytes, so equal
+digests of different keys only make a probe longer, never a wrong answer.
+
+Every cell a key passes over on its way to a free cell counts it in ``over``: a search
+stops at the first cell that does not match and that no key passed (almost always the
+home cell), and a removal gives the counts back. No tombstones, no rehash, and nothing
+ever moves: a slot knows its cell (``_cell``) and how far past its home that is
+(``_shift``, saturating at 255: beyond, the home is recomputed from the key), so removing
+a key is O(1 + its shift), never a search and never a pass over the table.
+
+A lookup first asks a dict of recent answers (slot, or -1 for absent; exact: set on
+insert, dropped on removal, emptied beyond ``recent_keys``, 16,384 by default, so never
+an entry per block): a request's keys are asked about several times and popular prefixes
+again and again, and one dict get a key is what the directory's dict used to cost. The
+others run as a chain of ``map`` over builtins (digest, modulo, a memoryview read of the
+cell, ``bytearray.startswith`` of the key at its slot's offset): no numpy call and no
+Python bytecode per key when every key is at its home cell or verifiably absent there;
+only the others (a key that was shifted, a home some key passed) take a Python loop. At a
+request's ~35 keys a vectorized numpy probe (a dozen calls of a few µs each on the 2-core
+machine) costs more. Inserts are the same chains; removals of large batches (the
+evictor's) are vectorized.
+
+Memory per slot at the default ``max_load`` 0.3: the key (``length``), 20 bytes of cells
+(int32) and counts (uint16, saturating: a cell passed by 65,535 keys stays passed for good,
+which only makes searches longer), 5 of cell and shift. A lower load costs bytes; a
+higher one, Python probes past the home cell (at 0.5, a quarter of the keys).
+
+Who owns what: one instance per :class:`~kvferry.cache.Directory`, single-threaded
+like its owner.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from itertools import compress, repeat
+from operator import is_, not_
+
+import numpy as np
+import numpy.typing as npt
+
+I64 = npt.NDArray[np.int64]
+Digest = Callable[[bytes], int]
+"""A key's digest (any int; taken modulo the number of cells)."""
+
+NO_SLOT = -1
+"""What :meth:`KeyIndex.find` answers for an absent key, and ``_cell`` of a slot without."""
+EMPTY = 2**31 - 1
+"""An empty cell: as a slot, its key's offset is past the end of the key bytes, so that
+the verification of an empty cell fails without a test of its own."""
+_OTHER = -2
+"""``_cell`` of a slot whose key is kept in the dict of keys of another length."""
+MIN_KEY_LEN = 8
+"""The first key stored sets the compact length if it has at least this many bytes."""
+_SATURATED = 2**16 - 1
+"""``over`` stays here once there (uint16)."""
+_FAR = 255
+"""``_shift`` saturates here: the home of such a key is recomputed from its bytes."""
+
+
+class KeyIndex:
+    """Key → slot for the slots ``range(capacity)``, each slot holding at most one key.
+
+    ``digest``: a key's digest (tests inject colliding ones). ``max_load``: live keys per
+    cell at most (a full index is this full).
+    """
+
+    vectorize_removals = 256
+    """Removals of more keys than this at once run as numpy passes."""
+
+    recent_keys = 1 << 14
+    """Keys answered from a dict of recent answers, at most (0: none; the dict is emptied
+    when it would hold more)."""
+
+    def __init__(self, capacity: int, *, digest: Digest = hash, max_load: float = 0.3) -> None:
+        if capacity <= 0 or not 0 < max_load < 1:
+            raise ValueError(f"need capacity > 0 and 0 < max_load < 1: {capacity}, {max_load}")
+        self.capacity = capacity
+        self._digest = digest
+        # More cells than keys, so that a probe always ends; odd, so that digests that
+        # vary in their high bits only still spread.
+        self._ncells = max(capacity + 1, int(capacity / max_load)) | 1
+        self._cells = np.full(self._ncells, EMPTY, np.int32)
+        self._over = np.zeros(self._ncells, np.uint16)
+        self._cell = np.full(capacity, NO_SLOT, np.int32)
+        self._shift = np.zeros(capacity, np.uint8)
+        self._cm, self._om = self._cells.data, self._over.data
+        self._sm, self._hm = self._cell.data, self._shift.data
+        self.key_len: int | None = None
+        """The length of compact keys: set by the first key stored (of 8 bytes or more)."""
+        self._kb = bytearray()  # capacity * key_len bytes: slot s at s * key_len
+        self._other: dict[bytes, int] = {}  # keys of another length, and back
+        self._other_key: dict[int, bytes] = {}
+        self.size = 0
+        # Recent answers (slot, or -1 for absent), exact: set on insert, dropped on removal.
+        # A request's keys are asked about several times (lookup, store, touch at its end)
+        # and popular prefixes again and again: one dict get each, as the directory's dict
+        # used to be, but for at most ``recent_keys`` keys, never one entry per block.
+        self._recent: dict[bytes, int] = {}
+
+    @property
+    def num_cells(self) -> int:
+        return self._ncells
+
+    @property
+    def nbytes(self) -> int:
+        arrays = (self._cells, self._over, self._cell, self._shift)
+        return len(self._kb) + sum(a.nbytes for a in arrays)
+
+    # -- queries -----------------------------------------------------------------------
+
+    def find(self, keys: Sequence[bytes]) -> list[int]:
+        """The slot of each key, -1 where it is absent."""
+        recent = self._recent
+        got = list(map(recent.get, keys))
+        if None not in got:
+            return got  # type: ignore[return-value]
+        ask = list(compress(keys, map(is_, got, repeat(None))))
+        found = self._find(ask)
+        if len(recent) + len(ask) > self.recent_keys:
+            recent.clear()
+        if len(ask) <= self.recent_keys:
+            recent.update(zip(ask, found, strict=True))
+        if len(ask) == len(keys):
+            return found
+        it = iter(found)
+        return [next(it) if s is None else s for s in got]
+
+    def _find(self, keys: Sequence[bytes]) -> list[int]:
+        length = self.key_len
+        if not keys or length is None or not min(map(len, keys)) == length == max(map(len, keys)):
+            return self._find_each(keys)
+        ncells, cells = self._ncells, self._cm
+        homes = list(map(ncells.__rmod__, map(self._digest, keys)))
+        slots = list(map(cells.__getitem__, homes))
+        ok = list(map(self._kb.startswith, keys, map(length.__mul__, slots)))
+        if all(ok):
+            return slots
+        over = self._om
+        for i in compress(range(len(keys)), map(not_, ok)):
+            p = homes[i]
+            slots[i] = self._probe(keys[i], p) if over[p] else NO_SLOT
+        return slots
+
+    def _probe(self, key: bytes, p: int) -> int:
+        """Search on for ``key`` (of the compact length) past cell ``p`` (not it)."""
+        ncells, cells, over, starts = self._ncells, self._cm, self._om, self._kb.startswith
+        length = self.key_len or 0
+        while over[p]:
+            p = p + 1 if p + 1 < ncells else 0
+            s = cells[p]
+            if starts(key, s * length):
+                return int(s)
+        return NO_SLOT
+
+    def _find_each(self, keys: Sequence[bytes]) -> list[int]:
+        """:meth:`find` one key at a time (a batch with keys of another length)."""
+        length, other = self.key_len, self._other
+        return [self._find((k,))[0] if len(k) == length else other.get(k, NO_SLOT) for k in keys]
+
+    def find_one(self, key: bytes) -> int | None:
+        slot = self._find((key,))[0]
+        return None if slot < 0 else slot
+
+    def holds(self, slots: I64) -> npt.NDArray[np.bool_]:
+        """Whether each of ``slots`` (in range) holds a key."""
+        out: npt.NDArray[np.bool_] = self._cell[slots] != NO_SLOT
+        return out
+
+    def keys_of(self, slots: Sequence[int] | I64) -> list[bytes]:
+        """The key of each of ``slots`` (in range, each holding a key)."""
+        kb, length, where, other = self._kb, self.key_len or 0, self._sm, self._other_key
+        out = []
+        for s in np.asarray(slots, np.int64).tolist():
+            if where[s] == _OTHER:
+                out.append(other[s])
+            else:
+                out.append(bytes(kb[s * length : (s + 1) * length]))
+        return out
+
+    # -- changes -----------------------------------------------------------------------
+
+    def insert(self, keys: Sequence[bytes], slots: Sequence[int] | npt.NDArray[np.integer]) -> None:
+        """Enter each key at its slot: keys absent and distinct, slots holding none."""
+        slot_list = np.asarray(slots, np.int64).tolist()
+        self._insert(keys, slot_list)
+        recent = self._recent
+        if len(recent) + len(keys) > self.recent_keys:
+            recent.clear()
+        if len(keys) <= self.recent_keys:
+            recent.update(zip(keys, slot_list, strict=True))
+
+    def _insert(self, keys: Sequence[bytes], slot_list: list[int]) -> None:
+        n = len(keys)
+        if self.size + n > self.capacity:
+            raise OverflowError(f"KeyIndex of {self.capacity} keys: {self.size} + {n}")
+        if not n:
+            return
+        if self.key_len is None and len(keys[0]) >= MIN_KEY_LEN:
+            self.key_len = len(keys[0])
+            self._kb = bytearray(self.capacity * self.key_len)
+        length = self.key_len
+        if length is None or not min(map(len, keys)) == length == max(map(len, keys)):
+            self._insert_each(keys, slot_list)
+            return
+        # As chains of map over builtins, like find: the bytes of every key, then the keys
+        # whose home cell is free take it; the others (a taken home, or one home wanted
+        # by two keys) probe on in a Python loop.
+        ncells, cells = self._ncells, self._cm
+        offsets = list(map(length.__mul__, slot_list))
+        kb = self._kb
+        deque(map(kb.__setitem__, map(slice, offsets, map(length.__add__, offsets)), keys), 0)
+        homes = list(map(ncells.__rmod__, map(self._digest, keys)))
+        free = list(map(EMPTY.__eq__, map(cells.__getitem__, homes)))
+        took = list(compress(homes, free))
+        took_slots = list(compress(slot_list, free))
+        deque(map(cells.__setitem__, took, took_slots), 0)
+        deque(map(self._sm.__setitem__, took_slots, took), 0)
+        deque(map(self._hm.__setitem__, took_slots, repeat(0)), 0)
+        self.size += n
+        if len(took) == n and len(set(took)) == n:
+            return
+        # Of two keys with one free home, the last written holds the cell: the first
+        # probes on; its bookkeeping is rewritten by _place.
+        held = list(map(cells.__getitem__, homes))
+        for i in compress(range(n), map(int.__ne__, held, slot_list)):
+            self._place(slot_list[i], homes[i])
+
+    def _place(self, s: int, p: int) -> None:
+        """Put slot ``s`` in the first empty cell from ``p``, counting the cells passed."""
+        ncells, cells, over = self._ncells, self._cm, self._om
+        k = 0
+        while cells[p] != EMPTY:
+            if over[p] < _SATURATED:
+                over[p] += 1  # passed over: a search must go on from here
+            p = p + 1 if p + 1 < ncells else 0
+            k += 1
+        cells[p] = s
+        self._sm[s] = p
+        self._hm[s] = min(k, _FAR)
+
+    def _insert_each(self, keys: Sequence[bytes], slots: list[int]) -> None:
+        """:meth:`insert` one key at a time (a batch with keys of another length)."""
+        for key, s in zip(keys, slots, strict=True):
+            if len(key) == self.key_len:
+                self._insert([key], [s])
+            else:
+                self._other[key] = s
+                self._other_key[s] = key
+                self._sm[s] = _OTHER
+                self.size += 1
+
+    def remove(self, slots: Sequence[int] | I64) -> None:
+        """Remove the keys of ``slots`` (in range, each holding a key, each once)."""
+        arr = np.asarray(slots, np.int64)
+        if self._recent:
+            pop = self._recent.pop
+            deque(map(pop, self.keys_of(arr), repeat(None)), 0)
+        n = len(arr)
+        if n > self.vectorize_removals:
+            self._remove_many(arr)
+            return
+        ncells, cells, over, where, shift = self._ncells, self._cm, self._om, self._sm, self._hm
+        for s in arr.tolist():
+            p = where[s]
+            where[s] = NO_SLOT
+            if p == _OTHER:
+                del self._other[self._other_key.pop(s)]
+                continue
+            cells[p] = EMPTY
+            k = shift[s]
+            if k == _FAR:
+                k = (p - self._home_of(s)) % ncells
+            for _ in range(k):  # give back the counts of the cells it passed
+                p = p - 1 if p > 0 else ncells - 1
+                if over[p] < _SATURATED:
+                    over[p] -= 1
+        self.size -= n
+
+    def _home_of(self, slot: int) -> int:
+        length = self.key_len or 0
+        home: int = (
+            self._digest(bytes(self._kb[slot * length : (slot + 1) * length])) % self._ncells
+        )
+        return home
+
+    def _remove_many(self, arr: I64) -> None:
+        """:meth:`remove` as numpy passes."""
+        pos = self._cell[arr].astype(np.int64)
+        other = pos == _OTHER
+        for s in arr[other].tolist():
+            del self._other[self._other_key.pop(s)]
+        keep = ~other
+        arr, pos = arr[keep], pos[keep]
+        steps = self._shift[arr].astype(np.int64)
+        for i in np.flatnonzero(steps == _FAR).tolist():
+            steps[i] = (pos[i] - self._home_of(int(arr[i]))) % self._ncells
+        moved = np.flatnonzero(steps)
+        if len(moved):
+            counts = steps[moved]
+            first = np.repeat(pos[moved] - counts, counts)
+            within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+            passed = (first + within) % self._ncells
+            np.subtract.at(self._over, passed[self._over[passed] < _SATURATED], 1)
+        self._cells[pos] = EMPTY
+        self._cell[arr] = NO_SLOT
+        self.size -= len(arr) + int(other.sum())
+
+    def clear(self) -> None:
+        """Forget every key (the compact length stays)."""
+        self._cells.fill(EMPTY)
+        self._over.fill(0)
+        self._cell.fill(NO_SLOT)
+        self._other.clear()
+        self._other_key.clear()
+        self._recent.clear()
+        self.size = 0
+
+
+class DictIndex:
+    """:class:`KeyIndex`'s interface over a dict of the caller's key objects and a list
+    back: one dict get a key, the cheapest per request, and ~150 bytes a block (the key
+    object, its entry, the slot's int). The directory's default (``index="dict"``)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._slot_of: dict[bytes, int] = {}
+        self._key_of: list[bytes | None] = [None] * capacity
+
+    @property
+    def size(self) -> int:
+        return len(self._slot_of)
+
+    def find(self, keys: Sequence[bytes]) -> list[int]:
+        return list(map(self._slot_of.get, keys, repeat(NO_SLOT)))
+
+    def find_one(self, key: bytes) -> int | None:
+        return self._slot_of.get(key)
+
+    def holds(self, slots: I64) -> npt.NDArray[np.bool_]:
+        key_of = self._key_of
+        return np.array([key_of[s] is not None for s in slots.tolist()], np.bool_)
+
+    def keys_of(self, slots: Sequence[int] | I64) -> list[bytes]:
+        key_of = self._key_of
+        return [k for s in np.asarray(slots, np.int64).tolist() if (k := key_of[s]) is not None]
+
+    def insert(self, keys: Sequence[bytes], slots: Sequence[int] | npt.NDArray[np.integer]) -> None:
+        slot_list = np.asarray(slots, np.int64).tolist()
+        key_of = self._key_of
+        for key, s in zip(keys, slot_list, strict=True):
+            key_of[s] = key
+        self._slot_of.update(zip(keys, slot_list, strict=True))
+
+    def remove(self, slots: Sequence[int] | I64) -> None:
+        key_of, slot_of = self._key_of, self._slot_of
+        for s in np.asarray(slots, np.int64).tolist():
+            key = key_of[s]
+            if key is not None:
+                del slot_of[key]
+                key_of[s] = None
+
+    def clear(self) -> None:
+        self._slot_of.clear()
+        self._key_of = [None] * self.capacity

@@ -1,0 +1,197 @@
+"""The directory's compact key index against a dict: digest collisions, removals that give
+back what a probe passed, a full index, and keys of unusual length."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvferry.cache import Directory
+from kvferry.cache._index import EMPTY, KeyIndex
+
+SETTINGS = settings(max_examples=60, derandomize=True, database=None, deadline=None)
+
+
+def key(i: int, group: int = 0) -> bytes:
+    """A 36-byte offload key, as the connector makes them."""
+    return hashlib.sha256(i.to_bytes(8, "big")).digest() + group.to_bytes(4, "big")
+
+
+def colliding(k: bytes) -> int:
+    """Every key has the same digest: every probe walks one cluster."""
+    return 7
+
+
+def two_homes(k: bytes) -> int:
+    return k[0] & 1
+
+
+def check(index: KeyIndex, ref: dict[bytes, int], universe: list[bytes]) -> None:
+    assert index.find(universe[::3]) == [ref.get(k, -1) for k in universe[::3]]
+    assert index.find(universe) == [ref.get(k, -1) for k in universe]
+    assert len(index._recent) <= index.recent_keys
+    assert index.size == len(ref)
+    slots = np.array(sorted(ref.values()), np.int64)
+    assert sorted(index.keys_of(slots)) == sorted(ref)
+    if not ref:
+        assert int(index._over.sum()) == 0 and (index._cells == EMPTY).all()
+
+
+@pytest.mark.parametrize("digest", [hash, colliding, two_homes])
+@pytest.mark.parametrize(("vectorized", "recent"), [(False, 0), (True, 0), (False, 5), (True, 64)])
+@SETTINGS
+@given(ops=st.lists(st.tuples(st.booleans(), st.lists(st.integers(0, 40), max_size=6))))
+def test_the_index_maps_like_a_dict(
+    digest: object, vectorized: bool, recent: int, ops: list[tuple[bool, list[int]]]
+) -> None:
+    """Inserts and removals in batches; removals one by one or vectorized; answers from
+    the table alone, or from a dict of recent answers that overflows (5) or not (64)."""
+    index = KeyIndex(16, digest=digest)  # type: ignore[arg-type]
+    index.recent_keys = recent
+    if vectorized:
+        index.vectorize_removals = 0
+    universe = [key(i) for i in range(41)]
+    ref: dict[bytes, int] = {}
+    for insert, batch in ops:
+        keys = list(dict.fromkeys(universe[i] for i in batch))
+        if insert:
+            keys = [k for k in keys if k not in ref][: 16 - len(ref)]
+            free = sorted(set(range(16)) - set(ref.values()))[: len(keys)]
+            index.insert(keys, np.array(free, np.int64))
+            ref.update(zip(keys, free, strict=True))
+        else:
+            gone = [ref.pop(k) for k in keys if k in ref]
+            index.remove(np.array(gone, np.int64))
+        check(index, ref, universe)
+
+
+def test_equal_digests_of_different_keys_are_told_apart_by_their_bytes() -> None:
+    index = KeyIndex(8, digest=colliding)
+    index.recent_keys = 0  # the table's own answers
+    index.insert([key(1), key(2), key(3)], np.array([5, 6, 7]))
+    assert index.find([key(3), key(2), key(1), key(4)]) == [7, 6, 5, -1]
+    index.remove(np.array([6]))  # the middle of the cluster: a search goes on past it
+    assert index.find([key(3), key(2), key(1)]) == [7, -1, 5]
+
+
+@pytest.mark.parametrize("vectorized", [False, True])
+def test_a_full_index_of_colliding_keys_shifted_past_255_cells(vectorized: bool) -> None:
+    n = 300  # each key lands past all the others: shifts beyond what a slot records
+    index = KeyIndex(n, digest=colliding)
+    index.recent_keys = 0
+    if vectorized:
+        index.vectorize_removals = 0
+    keys = [key(i) for i in range(n)]
+    index.insert(keys, np.arange(n))
+    assert index.size == n and index.find(keys) == list(range(n))
+    with pytest.raises(OverflowError):
+        index.insert([key(n)], np.array([0]))
+    index.remove(np.arange(0, n, 2))
+    assert index.find(keys) == [-1 if i % 2 == 0 else i for i in range(n)]
+    index.remove(np.arange(1, n, 2))
+    assert int(index._over.sum()) == 0 and index.size == 0
+
+
+def test_the_default_index_fills_to_capacity_with_real_keys() -> None:
+    n = 5_000
+    index = KeyIndex(n)
+    index.recent_keys = 0
+    keys = [key(i, group=i % 3) for i in range(n)]
+    index.insert(keys, np.arange(n))
+    assert index.find(keys) == list(range(n))
+    assert index.find([key(i, group=3) for i in range(100)]) == [-1] * 100
+    assert index.nbytes < 70 * n  # no Python object per key
+    index.remove(np.arange(n))
+    assert int(index._over.sum()) == 0 and (index._cells == EMPTY).all()
+
+
+def test_keys_of_another_length_than_the_first_work_too() -> None:
+    index = KeyIndex(6)
+    odd = [b"", b"x", key(9)[:35], key(9) + b"!", b"y" * 100]
+    index.insert([key(1)], np.array([0]))
+    index.insert(odd, np.arange(1, 6))
+    assert index.key_len == 36
+    # A key that is a prefix, or an extension, of a stored one is not that one.
+    assert index.find([key(1), *odd, key(1)[:35], key(9)]) == [0, 1, 2, 3, 4, 5, -1, -1]
+    assert index.keys_of(np.array([4, 0, 1])) == [key(9) + b"!", key(1), b""]
+    index.remove(np.array([3, 0]))
+    assert index.find([key(9)[:35], key(1), b"y" * 100]) == [-1, -1, 5]
+    assert index.holds(np.arange(6)).tolist() == [False, True, True, False, True, True]
+
+
+def test_clear_forgets_every_key() -> None:
+    index = KeyIndex(4, digest=colliding)
+    index.insert([key(1), b"short"], np.array([0, 1]))
+    index.clear()
+    assert index.find([key(1), b"short"]) == [-1, -1] and index.size == 0
+    index.insert([key(2)], np.array([0]))
+    assert index.find([key(2)]) == [0]
+
+
+def test_the_directory_is_correct_under_digest_collisions() -> None:
+    d = Directory(4, watermarks=(1.0, 1.0), events=True)
+    d._index = KeyIndex(4, digest=colliding)
+    keys = [key(i) for i in range(6)]
+    for k in keys:
+        slots = d.prepare_store([k])
+        d.complete_store(slots, ok=True)
+    assert d.lookup(keys[2:]) == 4 and d.lookup(keys[:2]) == 0
+    assert d.visible_keys() == set(keys[2:])
+    assert d.prepare_load(keys[3:5]) is not None
+    assert d.discard([keys[2]]) == [keys[2]]
+    assert d.lookup(keys[3:]) == 3
+
+
+def test_a_resolution_reused_by_the_next_call_is_dropped_when_a_key_came_in_between() -> None:
+    d = Directory(4)
+    a, b = key(1), key(2)
+    assert d.lookup([a, b]) == 0
+    d.complete_store(d.prepare_store([a]), ok=True)  # a key came: the lookup's answer is old
+    slots = d.prepare_store([a, b])  # a prefix of the lookup's keys
+    assert slots[0] == -1 and slots[1] >= 0
+    assert d.statistics().stores_skipped_present == 1
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc", "s3fifo"])
+def test_a_compact_directory_answers_as_a_dict_one_does(policy: str) -> None:
+    """The same seeded calls, with keys of two lengths, through both indexes: the same
+    answers, slots and events."""
+    rng = np.random.default_rng(16)
+    dirs = [
+        Directory(24, policy=policy, events=True, watermarks=(0.7, 0.9), index=kind)
+        for kind in ("compact", "dict")
+    ]
+    universe = [key(i, group=i % 2) for i in range(60)] + [b"k%d" % i for i in range(10)]
+    inflight: list[np.ndarray] = []
+    for step in range(400):
+        keys = [universe[i] for i in rng.choice(len(universe), int(rng.integers(1, 8)))]
+        results = []
+        for d in dirs:
+            n = d.lookup(keys)
+            load = d.prepare_load(keys[:n]) if n else None
+            store = d.prepare_store(keys[n:])
+            results.append((n, None if load is None else load.tolist(), store.tolist()))
+        assert results[0] == results[1]
+        inflight.append(np.asarray(results[0][2]))
+        if len(inflight) > 3:
+            done = inflight.pop(0)
+            for d in dirs:
+                d.complete_store(done[done >= 0], ok=bool(step % 7))
+                d.touch(keys)
+                if load is not None:
+                    d.complete_load(np.asarray(results[0][1]))
+                d.evict()
+        if step % 97 == 96:
+            assert dirs[0].reset() == dirs[1].reset()
+        assert dirs[0].take_events() == dirs[1].take_events()
+        assert dirs[0].visible_keys() == dirs[1].visible_keys()
+    assert dirs[0].statistics() == dirs[1].statistics()
+
+
+def test_an_unknown_index_is_refused() -> None:
+    with pytest.raises(ValueError, match="index"):
+        Directory(4, index="btree")
