@@ -13,6 +13,39 @@ Both start their own ``redis-server`` processes (Debian's package; ``make bench`
 installs it when missing), nothing persisted. Each trial moves ``TRIAL_BYTES`` per
 direction in pipelines of ``BATCH_BYTES`` (the Redis actor's batch), raw and kvferry
 alternating so that both see the same machine; a figure is the median of the trials.
+
+Part 2, two engines sharing one Redis: three vLLM (CPU) engines, each in a process of
+its own (this script, ``--engine``, driven over a pipe), all alive at once and computing
+on the same cores (``equal_cpu_threads``):
+
+  A          kvferry, a host tier of two documents and a bit, the Redis tier;
+  B          the same configuration, its own host tier (empty of the documents);
+  recompute  no kvferry: what B's requests cost without the tier.
+
+Each round takes fresh documents: A answers them (untimed), one request at a time, and
+its writes to Redis are waited for; then B and the recompute engine (engine caches
+emptied, serpentine order) answer the same documents, one request at a time, timed as
+the sum of their requests. ``b_recompute_vs_shared`` = the median recompute pass / the
+median pass of B, which reads A's chunks Redis -> host -> device (target >= 5).
+
+Then Redis dies: A stores another set of fresh documents, B answers them and
+``redis-server`` is killed (SIGKILL) after its first ``kill_after`` requests. Every
+request must finish. The requests B began after its log said ``redis_breaker_opened``
+are timed against the recompute engine's for the same documents (one pass before B's,
+one after, averaged): ``slowdown_vs_no_tier`` (target <= 1.1).
+
+Outputs: B's answer to a document it loaded is compared with the recompute engine's
+answer from its own prefix cache (the same computation: a cached prefix, the rest
+computed), a document computed in full with a full recompute (``outputs_equal``); as in
+benchmarks/tiers.py, ``outputs_equal_full_recompute`` compares every answer with a full
+recompute (a cached prefix can round differently on the large model, vLLM's own cache
+alike).
+
+The model is long_doc_qa's (hidden 768, 6 layers: prefill compute dominates), 4
+documents of 1500 tokens a round, 2 rounds, 8 documents in the pass Redis dies in;
+``--quick`` runs the tiny model on short documents, one round, and one raw trial of
+less data (figures mean little). ``--only raw|engines`` runs one part.
+
 The last line printed is one JSON object of every figure.
 """
 
@@ -20,16 +53,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import queue
 import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import anyio
+import attrs
 import numpy as np
+from long_doc_qa import serpentine
+from tiers import QA_FULL, QA_QUICK, QUESTION_TOKENS, block_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' server helpers
 
@@ -38,6 +78,7 @@ from tests.tiers.redis_servers import RedisClusterProcs, RedisServer  # noqa: E4
 
 SIZES = (256 << 10, 2 << 20)
 TRIAL_BYTES = 64 << 20
+QUICK_TRIAL_BYTES = 16 << 20
 BATCH_BYTES = 8 << 20
 TRIALS = 5
 FP = Fingerprint(
@@ -61,10 +102,10 @@ async def _timed(fn: Callable[[], Awaitable[None]]) -> float:
     return time.perf_counter() - start
 
 
-async def _measure(store: RedisStore, size: int, trials: int) -> dict[str, float]:
+async def _measure(store: RedisStore, size: int, trials: int, trial_bytes: int) -> dict[str, float]:
     """GB/s of each of the four ways, median over the trials."""
     client = store.client
-    count = TRIAL_BYTES // size
+    count = trial_bytes // size
     per_batch = max(1, BATCH_BYTES // size)
     rng = np.random.default_rng(0)
     slots = rng.integers(0, 256, (count, size), dtype=np.uint8)
@@ -120,12 +161,12 @@ async def _measure(store: RedisStore, size: int, trials: int) -> dict[str, float
     return {name: count * size / statistics.median(s) / 1e9 for name, s in seconds.items()}
 
 
-async def _run(label: str, store: RedisStore, trials: int) -> dict[str, Any]:
+async def _run(label: str, store: RedisStore, trials: int, trial_bytes: int) -> dict[str, Any]:
     await store.connect()
     rows: dict[str, Any] = {}
     try:
         for size in SIZES:
-            gbs = await _measure(store, size, trials)
+            gbs = await _measure(store, size, trials, trial_bytes)
             rows[size] = gbs
             print(
                 f"{label:8} {size >> 10:5} KiB  "
@@ -147,10 +188,390 @@ async def _run(label: str, store: RedisStore, trials: int) -> dict[str, Any]:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--trials", type=int, default=TRIALS)
-    args = parser.parse_args()
+# ----------------------------------------------------------------------------- part 2
+
+
+# The workload of benchmarks/tiers.py's long-document QA (there from disk), fewer
+# documents and rounds: on 2 cores a 1500-token prefill of the large model takes ~20 s,
+# and the part runs ~10 passes' worth of them. Eager: a compiled start costs minutes.
+ENGINES_FULL = attrs.evolve(QA_FULL, docs=4, rounds=2, eager=True)
+ENGINES_QUICK = QA_QUICK
+KILL_AFTER = 2
+"""B's requests answered before redis-server is killed."""
+KILL_EXTRA_DOCS = 4
+"""The pass Redis dies in has this many documents more than a round: the breakers (the
+existence checks' and the worker's, each opened by ``breaker_threshold`` failures of its
+own operations) take a few requests to open, and the figure times those after."""
+TOKENS_HIT = "vllm:kvferry_redis_tokens_hit"
+REPLY = "KVFERRY-BENCH "
+REQUEST_TIMEOUT_S = 300.0
+START_TIMEOUT_S = 600.0
+BREAKER_OPENED = "redis_breaker_opened"
+
+
+def engine_main(spec: dict[str, Any]) -> None:
+    """An engine's process (``--engine SPEC``): starts ``vllm.LLM``, then answers one JSON
+    command a line from stdin with one line ``REPLY + JSON`` on the original stdout
+    (everything else the process and its engine core print goes to stderr)."""
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from kvferry.testing import engine_args, kvferry_metrics, reset_engine_cache
+
+    llm = LLM(
+        **engine_args(
+            spec["model"],
+            kvferry=spec["kvferry"],
+            num_gpu_blocks=spec["blocks"],
+            max_model_len=spec["max_model_len"],
+            enforce_eager=spec["eager"],
+            disable_log_stats=False,
+        )
+    )
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    out.write(REPLY + json.dumps({"ready": True}) + "\n")
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        reply: dict[str, Any] = {}
+        if cmd["op"] == "ask":
+            before = kvferry_metrics(llm).get(TOKENS_HIT, 0)
+            start = time.perf_counter()
+            [res] = llm.generate(
+                [TokensPrompt(prompt_token_ids=cmd["doc"])], params, use_tqdm=False
+            )
+            seconds = time.perf_counter() - start
+            reply = {
+                "seconds": seconds,
+                "tokens": list(res.outputs[0].token_ids),
+                "loaded": ((res.kv_transfer_params or {}).get("kvferry") or {}).get(
+                    "tokens_loaded", 0
+                ),
+                "from_redis": kvferry_metrics(llm).get(TOKENS_HIT, 0) - before,
+            }
+        elif cmd["op"] == "reset":
+            reset_engine_cache(llm)
+        elif cmd["op"] == "metrics":
+            reply = kvferry_metrics(llm)
+        elif cmd["op"] == "quit":
+            break
+        out.write(REPLY + json.dumps(reply) + "\n")
+    from kvferry.testing import close_engine
+
+    close_engine(llm)
+    out.write(REPLY + json.dumps({"closed": True}) + "\n")
+
+
+class Engine:
+    """An engine in a child process: this script with ``--engine``; its log in a file."""
+
+    def __init__(self, name: str, spec: dict[str, Any], log: Path) -> None:
+        self.name = name
+        self.kvferry = spec["kvferry"] is not None
+        self.log = log
+        self._log_file = log.open("wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--engine", json.dumps(spec)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log_file,
+            text=True,
+        )
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(REPLY):
+                self._lines.put(line[len(REPLY) :])
+        self._lines.put(None)
+
+    def reply(self, timeout_s: float = REQUEST_TIMEOUT_S) -> Any:
+        try:
+            line = self._lines.get(timeout=timeout_s)
+        except queue.Empty:
+            raise TimeoutError(
+                f"{self.name}: no answer in {timeout_s} s (see {self.log})"
+            ) from None
+        if line is None:
+            raise RuntimeError(f"{self.name} exited: {self.log_tail()}")
+        return json.loads(line)
+
+    def send(self, op: str, **args: Any) -> Any:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
+        self.proc.stdin.flush()
+        return self.reply()
+
+    def ask(self, doc: list[int]) -> dict[str, Any]:
+        answer: dict[str, Any] = self.send("ask", doc=doc)
+        return answer
+
+    def breaker_opened(self) -> int:
+        """How many times its log says a Redis circuit breaker opened."""
+        return self.log.read_text(errors="replace").count(BREAKER_OPENED)
+
+    def log_tail(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.send("quit")
+                self.reply(timeout_s=60)
+            except (TimeoutError, RuntimeError, BrokenPipeError):
+                pass
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=60)
+        self._log_file.close()
+
+
+@attrs.define
+class Timed:
+    """One timed pass of one engine: per document, in order."""
+
+    seconds: list[float] = attrs.Factory(list)
+    tokens: list[list[int]] = attrs.Factory(list)
+    loaded: list[int] = attrs.Factory(list)
+    from_redis: list[int] = attrs.Factory(list)
+
+
+def timed_pass(
+    eng: Engine, docs: list[list[int]], between: Callable[[int], None] | None = None
+) -> Timed:
+    """``docs`` one request at a time after emptying the engine's cache; ``between(i)``
+    runs before request ``i`` (untimed)."""
+    eng.send("reset")
+    run = Timed()
+    for i, doc in enumerate(docs):
+        if between is not None:
+            between(i)
+        r = eng.ask(doc)
+        run.seconds.append(r["seconds"])
+        run.tokens.append(r["tokens"])
+        run.loaded.append(int(r["loaded"]))
+        run.from_redis.append(int(r["from_redis"]))
+    return run
+
+
+def store_in_redis(a: Engine, url: str, docs: list[list[int]], full_blocks: int) -> None:
+    """A answers ``docs``, each one's writes to Redis waited for (A's host tier is small:
+    a block being written through is in use)."""
+    from kvferry.testing import redis_chunk_keys, wait_for_redis_chunks
+
+    for doc in docs:
+        count = len(redis_chunk_keys(url))
+        a.ask(doc)
+        wait_for_redis_chunks(url, count + full_blocks, timeout_s=120)
+
+
+def reference(recompute: Engine, docs: list[list[int]]) -> tuple[Timed, list[list[int]]]:
+    """The recompute engine's timed pass (full prefills) and, untimed, its answers from
+    its own prefix cache (which holds the pass)."""
+    full = timed_pass(recompute, docs)
+    cached = [recompute.ask(doc)["tokens"] for doc in docs]
+    return full, cached
+
+
+def engines_part(quick: bool) -> dict[str, Any]:
+    """Part 2: prints its table, returns its figures."""
+    from kvferry.testing import equal_cpu_threads, long_doc_prompts, make_tiny_model
+
+    sizes = ENGINES_QUICK if quick else ENGINES_FULL
+    equal_cpu_threads()  # inherited by the engines' processes
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    full_blocks = (sizes.doc_tokens + QUESTION_TOKENS) // 128
+    host_blocks = 2 * full_blocks + 2
+    rounds = [
+        long_doc_prompts(sizes.docs, sizes.doc_tokens, seed=400 + r) for r in range(sizes.rounds)
+    ]
+    kill_docs = long_doc_prompts(sizes.docs + KILL_EXTRA_DOCS, sizes.doc_tokens, seed=500)
+    kill_after = min(KILL_AFTER, sizes.docs - 1)
+    warm = long_doc_prompts(1, sizes.doc_tokens, seed=600)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="kvferry-bench-shared-") as tmp:
+        model = str(make_tiny_model(Path(tmp) / "model", **sizes.model))
+        server = RedisServer(Path(tmp) / "redis")
+        server.start()
+        ferry = {
+            "cpu_bytes_to_use": host_blocks * block_bytes(sizes.model),
+            "traces": {"enabled": False},
+            "tiers": [
+                {
+                    "kind": "redis",
+                    "url": server.url,
+                    "lookup_wait_ms": 50,
+                    "ttl_s": 3600,
+                    "op_timeout_s": 1.0,
+                    "breaker_threshold": 5,
+                    "breaker_cooldown_s": 5.0,
+                }
+            ],
+        }
+        common = {"model": model, "max_model_len": sizes.max_model_len, "eager": sizes.eager}
+        # The recompute engine's cache holds a pass (its cached answers: the reference).
+        ref_blocks = len(kill_docs) * (full_blocks + 2) + 16
+        specs = {
+            "A": {**common, "kvferry": ferry, "blocks": sizes.engine_blocks},
+            "B": {**common, "kvferry": ferry, "blocks": sizes.engine_blocks},
+            "recompute": {**common, "kvferry": None, "blocks": ref_blocks},
+        }
+        engines: dict[str, Engine] = {}
+        shared: list[Timed] = []
+        full: list[Timed] = []
+        cached: list[list[list[int]]] = []
+        try:
+            # One after the other: on 2 cores, three starting at once take longer.
+            for n, spec in specs.items():
+                engines[n] = Engine(n, spec, Path(tmp) / f"{n}.log")
+                engines[n].reply(timeout_s=START_TIMEOUT_S)  # started
+            a, b, recompute = engines["A"], engines["B"], engines["recompute"]
+            started = time.perf_counter() - t0
+            print(f"  three engines started in {started:.0f} s", flush=True)
+            store_in_redis(a, server.url, warm, full_blocks)  # compiles; B's warm-up loads
+            for eng in (b, recompute):
+                eng.ask(warm[0])
+            for r, docs in enumerate(rounds):
+                store_in_redis(a, server.url, docs, full_blocks)
+                for eng in serpentine([b, recompute], r):
+                    if eng is b:
+                        shared.append(timed_pass(b, docs))
+                    else:
+                        f, c = reference(recompute, docs)
+                        full.append(f)
+                        cached.append(c)
+                print(
+                    f"  round {r + 1}/{sizes.rounds}: B from Redis {sum(shared[-1].seconds):.2f} s "
+                    f"({sum(shared[-1].from_redis)} tokens from Redis), recompute "
+                    f"{sum(full[-1].seconds):.2f} s",
+                    flush=True,
+                )
+
+            # Redis dies in the middle of B's pass.
+            store_in_redis(a, server.url, kill_docs, full_blocks)
+            before_kill, before_cached = reference(recompute, kill_docs)
+            first_open: list[int] = []
+            opened_before = b.breaker_opened()
+
+            def kill_between(i: int) -> None:
+                if i == kill_after:
+                    server.kill()
+                if i >= kill_after and not first_open and b.breaker_opened() > opened_before:
+                    first_open.append(i)
+
+            killed = timed_pass(b, kill_docs, kill_between)
+            after_kill = timed_pass(recompute, kill_docs)
+            print(
+                f"  redis-server killed before B's request {kill_after + 1} of "
+                f"{len(kill_docs)}; breaker opened before request "
+                f"{first_open[0] + 1 if first_open else '-'}",
+                flush=True,
+            )
+        finally:
+            for eng in engines.values():
+                eng.close()
+            server.kill()
+    took = time.perf_counter() - t0
+
+    med = statistics.median
+    shared_s = [sum(t.seconds) for t in shared]
+    recompute_s = [sum(t.seconds) for t in full]
+    ratio = med(recompute_s) / med(shared_s)
+
+    def differ(
+        ours: Timed, full_ref: Timed, cached_ref: list[list[int]], label: str
+    ) -> tuple[list[str], list[str]]:
+        """Documents whose answer differs from the reference for how B got it, and from
+        a full recompute."""
+        ref, strict = [], []
+        for i, tokens in enumerate(ours.tokens):
+            expected = cached_ref[i] if ours.loaded[i] else full_ref.tokens[i]
+            if tokens != expected:
+                ref.append(f"{label} doc {i}")
+            if tokens != full_ref.tokens[i]:
+                strict.append(f"{label} doc {i}")
+        return ref, strict
+
+    differ_ref: list[str] = []
+    differ_full: list[str] = []
+    for r in range(sizes.rounds):
+        d_ref, d_full = differ(shared[r], full[r], cached[r], f"round {r + 1}")
+        differ_ref += d_ref
+        differ_full += d_full
+    d_ref, d_full = differ(killed, before_kill, before_cached, "killed pass")
+    differ_ref += d_ref
+    differ_full += d_full
+    finished = len(killed.tokens) == len(kill_docs)
+
+    after = first_open[0] if first_open else len(kill_docs)
+    dead_s = sum(killed.seconds[after:])
+    no_tier_s = sum(
+        (x + y) / 2
+        for x, y in zip(before_kill.seconds[after:], after_kill.seconds[after:], strict=True)
+    )
+    slowdown = dead_s / no_tier_s if no_tier_s else None  # None: it never opened
+    after_kill_s = sum(killed.seconds[kill_after:])
+    no_tier_after_kill_s = sum(
+        (x + y) / 2
+        for x, y in zip(
+            before_kill.seconds[kill_after:],
+            after_kill.seconds[kill_after:],
+            strict=True,
+        )
+    )
+    full_tokens = sizes.docs * full_blocks * 128
+    print(
+        f"\ntwo engines sharing one Redis: {sizes.docs} documents x {sizes.doc_tokens} tokens a "
+        f"round, one request at a time; engine caches {sizes.engine_blocks} blocks, host tiers "
+        f"{host_blocks} blocks (a document is {full_blocks}); {sizes.rounds} rounds, medians"
+    )
+    print(f"{'engine':<28} {'pass (s)':>9}   per round (s)")
+    for name, secs in (
+        ("B, from A's chunks in Redis", shared_s),
+        ("recompute (no kvferry)", recompute_s),
+    ):
+        print(f"{name:<28} {med(secs):>9.2f}   " + "  ".join(f"{x:.2f}" for x in secs))
+    print(
+        f"b_recompute_vs_shared = {ratio:.2f}; tokens B read from Redis a round: "
+        f"{[sum(t.from_redis) for t in shared]} (full blocks: {full_tokens})"
+    )
+    print(
+        f"Redis killed after {kill_after} of B's requests: all {len(kill_docs)} finished: "
+        f"{finished}; after the breaker opened ({len(kill_docs) - after} requests) "
+        f"{dead_s:.2f} s vs {no_tier_s:.2f} s without any tier: slowdown "
+        f"{'-' if slowdown is None else f'{slowdown:.3f}'}; "
+        f"every request after the kill {after_kill_s:.2f} s vs {no_tier_after_kill_s:.2f} s"
+    )
+    print(f"outputs equal: {not differ_ref}   (part took {took:.0f} s)")
+    if differ_ref:
+        print(f"outputs that differ from the engine without kvferry: {', '.join(differ_ref)}")
+    print(
+        f"equal to a full recompute too: {not differ_full}"
+        + (f" (not: {', '.join(differ_full)})" if differ_full else "")
+    )
+    return {
+        "b_recompute_vs_shared": round(ratio, 3),
+        "slowdown_vs_no_tier": None if slowdown is None else round(slowdown, 3),
+        "slowdown_after_kill_vs_no_tier": round(after_kill_s / no_tier_after_kill_s, 3),
+        "killed_pass_all_finished": finished,
+        "outputs_equal": not differ_ref,
+        "outputs_differ": differ_ref,
+        "outputs_equal_full_recompute": not differ_full,
+        "b_pass_s": {"shared": round(med(shared_s), 3), "recompute": round(med(recompute_s), 3)},
+        "b_tokens_from_redis": [sum(t.from_redis) for t in shared],
+        "full_block_tokens": full_tokens,
+        "kill_after": kill_after,
+        "requests_after_breaker_opened": len(kill_docs) - after,
+        "engines_part_s": round(took, 1),
+        "engines_start_s": round(started, 1),
+    }
+
+
+def raw_part(trials: int, trial_bytes: int) -> dict[str, Any]:
+    """Part 1: prints its table, returns its figures."""
     result: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="kvferry-bench-redis-") as tmp:
         server = RedisServer(Path(tmp) / "single")
@@ -158,16 +579,39 @@ def main() -> None:
         try:
             server.start()
             store = RedisStore(url=server.url, fingerprint=FP, op_timeout_s=30)
-            result |= anyio.run(_run, "redis", store, args.trials)
+            result |= anyio.run(_run, "redis", store, trials, trial_bytes)
             server.kill()
             cluster.start()
             cstore = RedisStore(cluster=cluster.urls, fingerprint=FP, op_timeout_s=30)
-            result |= anyio.run(_run, "cluster", cstore, args.trials)
+            result |= anyio.run(_run, "cluster", cstore, trials, trial_bytes)
         finally:
             server.kill()
             cluster.stop()
-    result["trial_bytes"] = TRIAL_BYTES
+    result["trial_bytes"] = trial_bytes
     result["batch_bytes"] = BATCH_BYTES
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--trials", type=int, default=TRIALS)
+    parser.add_argument("--only", choices=("raw", "engines"), help="run one part only")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke run: one raw trial, the tiny model"
+    )
+    parser.add_argument("--engine", help=argparse.SUPPRESS)  # an engine's process (part 2)
+    args = parser.parse_args()
+    if args.engine is not None:
+        engine_main(json.loads(args.engine))
+        return
+    result: dict[str, Any] = {}
+    if args.only != "engines":
+        result |= raw_part(
+            1 if args.quick else args.trials, QUICK_TRIAL_BYTES if args.quick else TRIAL_BYTES
+        )
+    if args.only != "raw":
+        result |= engines_part(args.quick)
+    result["quick"] = args.quick
     print(json.dumps(result))
 
 

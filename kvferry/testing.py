@@ -331,3 +331,39 @@ def wait_for_disk_chunks(
                 f"{len(files)} chunk files in {path} after {timeout_s} s, {count} expected"
             )
         time.sleep(0.02)
+
+
+def redis_chunk_keys(url: str) -> set[bytes]:
+    """The Redis keys of kvferry's chunks (every fingerprint) on the server at ``url``
+    (``kvferry:v{FORMAT_VERSION}:{fingerprint}:{key}``, see ``kvferry.tiers.RedisStore``)."""
+    import redis
+
+    from .tiers import FORMAT_VERSION
+
+    client = redis.Redis.from_url(url)
+    try:
+        found = client.scan_iter(match=f"kvferry:v{FORMAT_VERSION}:*", count=1000)
+        return {bytes(k) for k in found}
+    finally:
+        client.close()
+
+
+def wait_for_redis_chunks(url: str, count: int, *, timeout_s: float = 30.0) -> set[bytes]:
+    """Wait until the Redis server at ``url`` holds at least ``count`` kvferry chunks;
+    returns their keys.
+
+    Redis writes run in the background after a request ends (a SET is atomic: a key
+    there is a whole value): wait for them before another engine should find them."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        keys = redis_chunk_keys(url)
+        if len(keys) >= count:
+            return keys
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"{len(keys)} kvferry chunks in Redis at {url} after {timeout_s} s, "
+                f"{count} expected"
+            )
+        time.sleep(0.02)
