@@ -72,6 +72,9 @@ class DiskTier:
             store_threshold=tier.store_threshold,
             events=True,  # its removals are the workers' deletes
             medium=MEDIUM,
+            # Millions of chunks on a disk: no Python object per chunk (about 84 bytes
+            # of index each instead of about 213, at twice the CPU per lookup).
+            index="compact",
         )
         self._forward_events = events
         self._events: list[KVEvent] = []
