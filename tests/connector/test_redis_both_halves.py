@@ -151,8 +151,10 @@ def test_a_dead_redis_makes_misses_and_dropped_stores_never_a_hang(
 ) -> None:
     own = RedisServer(tmp_path / "own")
     own.start()
-    e = make_engine(url=own.url, op_timeout_s=0.5, breaker_threshold=1, breaker_cooldown_s=60)
-    own.kill()
+    try:
+        e = make_engine(url=own.url, op_timeout_s=0.5, breaker_threshold=1, breaker_cooldown_s=60)
+    finally:
+        own.kill()
     req = request("r1", 2 * BLOCK + 8, seed=3)
     e.sched.on_new_request(req)
     assert e.lookup(req) == (0, False)
@@ -169,7 +171,11 @@ def test_lookup_wait_ms_bounds_the_asking_again(
 
     own = RedisServer(tmp_path / "own")
     own.start()
-    e = make_engine(url=own.url, lookup_wait_ms=0)
+    try:
+        e = make_engine(url=own.url, lookup_wait_ms=0)
+    except BaseException:
+        own.kill()
+        raise
     assert own.proc is not None
     os.kill(own.proc.pid, signal.SIGSTOP)  # alive, answers nothing
     try:
@@ -240,18 +246,25 @@ def test_service_comes_back_by_itself_when_redis_does(
 ) -> None:
     own = RedisServer(tmp_path / "own")
     own.start()
-    # A cool-down of 0: every operation while the breaker is open probes Redis first.
-    opts = {"url": own.url, "op_timeout_s": 0.5, "breaker_threshold": 1, "breaker_cooldown_s": 0}
-    a, b = make_engine(seed=1, **opts), make_engine(seed=2, **opts)
-    own.kill()
-    req = request("down", 2 * BLOCK + 8, seed=11)
-    store_failed = a.sched.statistics().redis_writes_failed
-    a.sched.on_new_request(req)
-    a.step({"down": ([1, 2, 3],)}, {"down": 2 * BLOCK + 8})
-    a.run_until(lambda: a.sched.statistics().redis_writes_failed == store_failed + 2)
-    own.start()  # the same port, empty
-    share(a, b, seed=12)
-    own.kill()
+    try:
+        # A cool-down of 0: every operation while the breaker is open probes Redis first.
+        opts = {
+            "url": own.url,
+            "op_timeout_s": 0.5,
+            "breaker_threshold": 1,
+            "breaker_cooldown_s": 0,
+        }
+        a, b = make_engine(seed=1, **opts), make_engine(seed=2, **opts)
+        own.kill()
+        req = request("down", 2 * BLOCK + 8, seed=11)
+        store_failed = a.sched.statistics().redis_writes_failed
+        a.sched.on_new_request(req)
+        a.step({"down": ([1, 2, 3],)}, {"down": 2 * BLOCK + 8})
+        a.run_until(lambda: a.sched.statistics().redis_writes_failed == store_failed + 2)
+        own.start()  # the same port, empty
+        share(a, b, seed=12)
+    finally:
+        own.kill()
 
 
 def test_a_cluster_is_shared_like_one_server(
