@@ -123,6 +123,9 @@ class SchedulerStatistics:
     redis_writes_failed: int = 0
     redis_hits_cut: int = 0
     """Lookups whose Redis hit was cut short: no host slot to read a chunk into."""
+    redis_chunks_kept_on_disk: int = 0
+    """Chunks read from Redis then written to the disk tier too (written through), of
+    every group; ``disk_chunks_written`` counts them when their write ended."""
     host_blocks_demoted: int = 0
     """``write: "on_evict"``: blocks host memory evicted, each then written down or
     (already on disk, not admitted, no room) dropped."""
@@ -194,6 +197,7 @@ class SchedulerSide:
                 "redis_reads_failed",
                 "redis_writes_failed",
                 "redis_hits_cut",
+                "redis_chunks_kept_on_disk",
             ),
             0,
         )
@@ -1112,12 +1116,38 @@ class SchedulerSide:
             if failed is None or len(failed) != n:  # unreported: nothing known to be good
                 failed = np.full(n, self.world_size, np.int64)
             ok = failed == 0
-            if ok.any():
+            if ok.any() and tier is self.redis:
+                good = [k for k, g in zip(keys, ok.tolist(), strict=True) if g]
+                self._keep_on_disk(good, slots[ok])
+            elif ok.any():
                 self.directory_tell(CompleteStore(slots=slots[ok], ok=True))
             if not ok.all():
                 self.directory_tell(CompleteStore(slots=slots[~ok], ok=False))
             if reported is not None:
                 tier.reads_ended(keys, failed)
+
+    def _keep_on_disk(self, keys: list[bytes], slots: npt.NDArray[np.int64]) -> None:
+        """Chunks read from Redis are in host memory now (READY); with a disk tier
+        written through they are written to the disk too, as a store's are (their host
+        slots pinned in the same message, until the write ended), so that they outlive
+        host memory and Redis's TTL. A disk written on eviction gets them when host
+        memory evicts them (:meth:`_demote`)."""
+        disk = self.disk
+        if disk is None or disk.write_back:
+            self.directory_tell(CompleteStore(slots=slots, ok=True))
+            return
+        places = disk.prepare_writes(keys)
+        chosen = places >= 0
+        self.directory_tell(CompleteStore(slots=slots, ok=True, pin=slots[chosen]))
+        if chosen.any():
+            self._c["redis_chunks_kept_on_disk"] += int(chosen.sum())
+            self._write_down(
+                [k for k, c in zip(keys, chosen.tolist(), strict=True) if c],
+                slots[chosen],
+                places[chosen],
+                (),
+                demotion=False,
+            )
 
     @staticmethod
     def _store_again(st: ReqState | None, job: JobState) -> None:

@@ -83,6 +83,16 @@ def store(e: Engine, req: Any, blocks: list[int]) -> list[bytes]:
     return keys
 
 
+def load(e: Engine, req: Any, blocks: list[int], tokens: int) -> None:
+    """Look ``req`` up (a hit of ``tokens``, asking again while Redis is asked) and load
+    it into engine blocks ``blocks``, without a load error."""
+    e.sched.on_new_request(req)
+    assert e.lookup(req) == (tokens, True)
+    e.sched.update_state_after_alloc(req, allocated(blocks), tokens)
+    e.run_until(lambda: req.request_id in e.recving)
+    assert not e.load_errors
+
+
 def test_a_prompt_stored_by_one_engine_is_loaded_from_redis_by_another(
     make_engine: Callable[..., Engine],
 ) -> None:
@@ -343,17 +353,52 @@ def test_with_a_disk_tier_too_a_load_reads_disk_then_redis_chunks(
         # A forgets its host memory; the long prompt: chunks 0-1 on A's disk, chunk 2 in
         # Redis only: one load reads the disk's, then Redis's, then copies.
         a.sched._ask(ClearAll)
-        again = request("again", 3 * BLOCK + 8, seed=21)
-        a.sched.on_new_request(again)
-        assert a.lookup(again) == (3 * BLOCK, True)
-        a.sched.update_state_after_alloc(again, allocated([9, 10, 11, 12]), 3 * BLOCK)
-        a.run_until(lambda: "again" in a.recving)
-        assert not a.load_errors
+        load(a, request("again", 3 * BLOCK + 8, seed=21), [9, 10, 11, 12], 3 * BLOCK)
         assert [a.block(x) for x in (9, 10)] == [a.block(x) for x in (1, 2)]
         assert a.block(11) == b.block(3)
         stats = a.sched.statistics()
         assert stats.disk_read_bytes == 2 * SLOT_BYTES and stats.redis_read_bytes == SLOT_BYTES
         assert stats.disk_tokens_hit == 2 * BLOCK and stats.redis_tokens_hit == BLOCK
+    finally:
+        a.close()
+        b.close()
+
+
+def test_with_a_disk_tier_too_chunks_read_from_redis_are_kept_on_disk(
+    make_vllm_config: Any, kv_cache_config: Any, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """A chunk another engine wrote to Redis, once loaded, is written to this engine's
+    disk too: with Redis emptied and host memory cleared, it still loads, from disk, bit
+    for bit."""
+    from kvferry.cache import ClearAll
+    from kvferry.tiers._format import file_size
+
+    redis_server.cli("flushall")
+    disk = {"kind": "disk", "path": str(tmp_path / "a"), "bytes_to_use": 16 * file_size(SLOT_BYTES)}
+    redis = {"kind": "redis", "url": redis_server.url}
+    a = Engine(
+        make_vllm_config,
+        kv_cache_config,
+        1,
+        extra={"cpu_bytes_to_use": 8 * SLOT_BYTES, "tiers": [disk, redis]},
+    )
+    b = Engine(make_vllm_config, kv_cache_config, 2, url=redis_server.url)
+    try:
+        req = request("r1", 3 * BLOCK + 8, seed=41)
+        store(b, req, [1, 2, 3, 4])
+        load(a, request("r2", 3 * BLOCK + 8, seed=41), [5, 6, 7, 8], 3 * BLOCK)
+        a.run_until(lambda: a.sched.statistics().disk_chunks_written == 3)
+        stats = a.sched.statistics()
+        assert stats.redis_tokens_hit == 3 * BLOCK and stats.redis_chunks_kept_on_disk == 3
+        assert stats.disk is not None and stats.disk.used == 3
+        # Redis forgets everything, A its host memory: the prompt loads from A's disk.
+        redis_server.cli("flushall")
+        a.sched._ask(ClearAll)
+        load(a, request("r3", 3 * BLOCK + 8, seed=41), [9, 10, 11, 12], 3 * BLOCK)
+        assert [a.block(x) for x in (9, 10, 11)] == [b.block(x) for x in (1, 2, 3)]
+        stats = a.sched.statistics()
+        assert stats.disk_tokens_hit == 3 * BLOCK and stats.disk_read_bytes == 3 * SLOT_BYTES
+        assert stats.redis_read_bytes == 3 * SLOT_BYTES  # the first load's only
     finally:
         a.close()
         b.close()
