@@ -125,5 +125,6 @@ class JobState:
     """A planned load: the first chunk it fills. Failed, its request stores from there
     again once vLLM recomputed the blocks (a chunk that failed its read is nowhere now)."""
     event_keys: tuple[bytes, ...] = ()
-    """A store's planned keys (a disk write's keys), retired from the block book (the
-    complete KV events' facts) when it ends."""
+    """A store's planned keys (a disk write's keys; a load's keys when it reads chunks
+    from below host memory, which then enter host memory), retired from the block book
+    (the complete KV events' facts) when it ends."""

@@ -593,6 +593,12 @@ class SchedulerSide:
         redis_keys = [k for k, r in zip(disk_keys, rmask.tolist(), strict=True) if r]
         disk_keys = [k for k, r in zip(disk_keys, rmask.tolist(), strict=True) if not r]
         redis_slots, reserved = reserved[rmask], reserved[~rmask]
+        facts: tuple[bytes, ...] = ()
+        if self.events_enabled and len(reserved) + len(redis_slots):
+            # Chunks read from below enter host memory (and, from Redis, maybe the disk):
+            # their KV events need the request's facts, kept until the reads ended.
+            self._book.record_chunks(request, first_chunk, hit_chunks)
+            facts = tuple(self._keys(request, first_chunk, hit_chunks))
         self._jobs[job_id] = JobState(
             job_id=job_id,
             req_id=request.request_id,
@@ -607,6 +613,7 @@ class SchedulerSide:
             redis_keys=tuple(redis_keys),
             redis_host_slots=redis_slots,
             first_chunk=first_chunk,
+            event_keys=facts,
         )
         for k in keys:
             self._loading[k] = self._loading.get(k, 0) + 1
@@ -1105,6 +1112,7 @@ class SchedulerSide:
         deleted; a Redis key known absent, its damaged value deleted by the reader)."""
         if self.disk is not None and len(job.disk_slots):
             self.disk.unpin(job.disk_slots)
+        kept: set[bytes] = set()  # facts handed on to a disk write (_keep_on_disk)
         for tier, keys, reported, slots in (
             (self.disk, job.disk_keys, job.disk_failed, job.disk_host_slots),
             (self.redis, job.redis_keys, job.redis_failed, job.redis_host_slots),
@@ -1118,36 +1126,38 @@ class SchedulerSide:
             ok = failed == 0
             if ok.any() and tier is self.redis:
                 good = [k for k, g in zip(keys, ok.tolist(), strict=True) if g]
-                self._keep_on_disk(good, slots[ok])
+                kept = self._keep_on_disk(good, slots[ok], set(job.event_keys))
             elif ok.any():
                 self.directory_tell(CompleteStore(slots=slots[ok], ok=True))
             if not ok.all():
                 self.directory_tell(CompleteStore(slots=slots[~ok], ok=False))
             if reported is not None:
                 tier.reads_ended(keys, failed)
+        self._book.retire(k for k in job.event_keys if k not in kept)
 
-    def _keep_on_disk(self, keys: list[bytes], slots: npt.NDArray[np.int64]) -> None:
+    def _keep_on_disk(
+        self, keys: list[bytes], slots: npt.NDArray[np.int64], facts: set[bytes]
+    ) -> set[bytes]:
         """Chunks read from Redis are in host memory now (READY); with a disk tier
         written through they are written to the disk too, as a store's are (their host
         slots pinned in the same message, until the write ended), so that they outlive
         host memory and Redis's TTL. A disk written on eviction gets them when host
-        memory evicts them (:meth:`_demote`)."""
+        memory evicts them (:meth:`_demote`). Returns the keys of ``facts`` (the load's
+        block facts) the disk write now holds, retired when it ends."""
         disk = self.disk
         if disk is None or disk.write_back:
             self.directory_tell(CompleteStore(slots=slots, ok=True))
-            return
+            return set()
         places = disk.prepare_writes(keys)
         chosen = places >= 0
         self.directory_tell(CompleteStore(slots=slots, ok=True, pin=slots[chosen]))
-        if chosen.any():
-            self._c["redis_chunks_kept_on_disk"] += int(chosen.sum())
-            self._write_down(
-                [k for k, c in zip(keys, chosen.tolist(), strict=True) if c],
-                slots[chosen],
-                places[chosen],
-                (),
-                demotion=False,
-            )
+        if not chosen.any():
+            return set()
+        self._c["redis_chunks_kept_on_disk"] += int(chosen.sum())
+        written = [k for k, c in zip(keys, chosen.tolist(), strict=True) if c]
+        event_keys = tuple(k for k in written if k in facts)
+        self._write_down(written, slots[chosen], places[chosen], event_keys, demotion=False)
+        return set(event_keys)
 
     @staticmethod
     def _store_again(st: ReqState | None, job: JobState) -> None:

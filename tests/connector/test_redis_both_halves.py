@@ -404,29 +404,44 @@ def test_with_a_disk_tier_too_chunks_read_from_redis_are_kept_on_disk(
         b.close()
 
 
+def _with_events(make_vllm_config: Any) -> Callable[[dict[str, Any]], Any]:
+    from vllm.config import KVEventsConfig
+
+    def make(extra: dict[str, Any]) -> Any:
+        config = make_vllm_config(extra)
+        config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+        return config
+
+    return make
+
+
+def _tokens_request(req_id: str) -> Any:
+    """A 2-chunk prompt whose tokens are 1000, 1001, ... (what its events must carry)."""
+    req = request(req_id, 2 * BLOCK + 8, seed=31)
+    req.all_token_ids = list(range(1000, 1000 + 2 * BLOCK + 8))
+    req.lora_request = None
+    return req
+
+
+def _stored_by_medium(e: Engine) -> dict[str, Any]:
+    from vllm.distributed.kv_events import BlockStored
+
+    stored = [ev for ev in e.sched.take_events() if isinstance(ev, BlockStored)]
+    by_medium = {ev.medium: ev for ev in stored}
+    assert len(by_medium) == len(stored)  # one event per medium
+    return by_medium
+
+
 def test_chunks_written_to_redis_are_announced_with_medium_redis(
     make_vllm_config: Any, kv_cache_config: Any, redis_server: RedisServer
 ) -> None:
     """A block written to Redis is a BlockStored of medium REDIS with its tokens, as the
     host tier's (routers rebuild their keys from these fields)."""
-    from vllm.config import KVEventsConfig
-    from vllm.distributed.kv_events import BlockStored
-
     redis_server.cli("flushall")
-
-    def with_events(extra: dict[str, Any]) -> Any:
-        config = make_vllm_config(extra)
-        config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
-        return config
-
-    e = Engine(with_events, kv_cache_config, 0, url=redis_server.url)
+    e = Engine(_with_events(make_vllm_config), kv_cache_config, 0, url=redis_server.url)
     try:
-        req = request("r1", 2 * BLOCK + 8, seed=31)
-        req.all_token_ids = list(range(1000, 1000 + 2 * BLOCK + 8))
-        req.lora_request = None
-        store(e, req, [1, 2, 3])
-        stored = [ev for ev in e.sched.take_events() if isinstance(ev, BlockStored)]
-        by_medium = {ev.medium: ev for ev in stored}
+        store(e, _tokens_request("r1"), [1, 2, 3])
+        by_medium = _stored_by_medium(e)
         assert set(by_medium) == {"CPU", "REDIS"}
         redis = by_medium["REDIS"]
         assert redis.block_hashes == by_medium["CPU"].block_hashes
@@ -434,3 +449,36 @@ def test_chunks_written_to_redis_are_announced_with_medium_redis(
         assert redis.parent_block_hash is None and redis.block_size == BLOCK
     finally:
         e.close()
+
+
+def test_chunks_read_from_redis_are_announced_with_their_tokens(
+    make_vllm_config: Any, kv_cache_config: Any, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """Blocks another engine wrote to Redis enter this engine's host memory (a CPU
+    BlockStored) and its disk (DISK) when loaded: both events carry the blocks' tokens,
+    taken from the request that loaded them, never vLLM's placeholder."""
+    from kvferry.tiers._format import file_size
+
+    redis_server.cli("flushall")
+    disk = {"kind": "disk", "path": str(tmp_path / "a"), "bytes_to_use": 8 * file_size(SLOT_BYTES)}
+    tiers = [disk, {"kind": "redis", "url": redis_server.url}]
+    a = Engine(
+        _with_events(make_vllm_config),
+        kv_cache_config,
+        1,
+        extra={"cpu_bytes_to_use": 8 * SLOT_BYTES, "tiers": tiers},
+    )
+    b = Engine(make_vllm_config, kv_cache_config, 2, url=redis_server.url)
+    try:
+        store(b, _tokens_request("r1"), [1, 2, 3])
+        load(a, _tokens_request("r2"), [5, 6, 7], 2 * BLOCK)
+        a.run_until(lambda: a.sched.statistics().disk_chunks_written == 2)
+        by_medium = _stored_by_medium(a)
+        assert set(by_medium) == {"CPU", "DISK"}
+        for ev in by_medium.values():
+            assert ev.token_ids == list(range(1000, 1000 + 2 * BLOCK)), ev.medium
+            assert ev.block_size == BLOCK and ev.parent_block_hash is None
+        assert by_medium["DISK"].block_hashes == by_medium["CPU"].block_hashes
+    finally:
+        a.close()
+        b.close()
