@@ -22,7 +22,7 @@ import numpy as np
 
 from ._policy import I64
 from ._recency import Evictable, RecencyLists
-from ._table import FingerprintQueue
+from ._table import GhostQueue
 
 _T1, _T2 = 1, 2
 _EMPTY = np.zeros(0, np.int64)
@@ -43,8 +43,8 @@ class ARCPolicy:
         self._lists = RecencyLists(capacity, 2)
         self.p = 0.0
         """Target size of T1."""
-        self._b1 = FingerprintQueue(capacity)
-        self._b2 = FingerprintQueue(capacity)
+        self._b1 = GhostQueue(capacity)
+        self._b2 = GhostQueue(capacity)
         self._misses: list[I64] = []
         self._missed = 0
         self._c = {"ghost_hits_b1": 0, "ghost_hits_b2": 0}

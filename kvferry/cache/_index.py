@@ -49,7 +49,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Sequence
 from itertools import compress, repeat
-from operator import is_, not_
+from operator import is_, is_not, not_
+from typing import cast
 
 import numpy as np
 import numpy.typing as npt
@@ -112,6 +113,9 @@ class KeyIndex:
         # and popular prefixes again and again: one dict get each, as the directory's dict
         # used to be, but for at most ``recent_keys`` keys, never one entry per block.
         self._recent: dict[bytes, int] = {}
+        # The key of each slot answered there (and junk at -1, the absent answers' slot):
+        # a removal drops its keys' answers by slot, without reading their bytes.
+        self._recent_key: dict[int, bytes] = {}
 
     @property
     def num_cells(self) -> int:
@@ -134,8 +138,10 @@ class KeyIndex:
         found = self._find(ask)
         if len(recent) + len(ask) > self.recent_keys:
             recent.clear()
+            self._recent_key.clear()
         if len(ask) <= self.recent_keys:
             recent.update(zip(ask, found, strict=True))
+            self._recent_key.update(zip(found, ask, strict=True))
         if len(ask) == len(keys):
             return found
         it = iter(found)
@@ -202,8 +208,10 @@ class KeyIndex:
         recent = self._recent
         if len(recent) + len(keys) > self.recent_keys:
             recent.clear()
+            self._recent_key.clear()
         if len(keys) <= self.recent_keys:
             recent.update(zip(keys, slot_list, strict=True))
+            self._recent_key.update(zip(slot_list, keys, strict=True))
 
     def _insert(self, keys: Sequence[bytes], slot_list: list[int]) -> None:
         n = len(keys)
@@ -268,9 +276,9 @@ class KeyIndex:
     def remove(self, slots: Sequence[int] | I64) -> None:
         """Remove the keys of ``slots`` (in range, each holding a key, each once)."""
         arr = np.asarray(slots, np.int64)
-        if self._recent:
-            pop = self._recent.pop
-            deque(map(pop, self.keys_of(arr), repeat(None)), 0)
+        if self._recent:  # the answers about these keys, found by slot (none: b"")
+            keys = map(self._recent_key.pop, arr.tolist(), repeat(b""))
+            deque(map(self._recent.pop, keys, repeat(None)), 0)
         n = len(arr)
         if n > self.vectorize_removals:
             self._remove_many(arr)
@@ -329,6 +337,7 @@ class KeyIndex:
         self._other.clear()
         self._other_key.clear()
         self._recent.clear()
+        self._recent_key.clear()
         self.size = 0
 
 
@@ -353,8 +362,10 @@ class DictIndex:
         return self._slot_of.get(key)
 
     def holds(self, slots: I64) -> npt.NDArray[np.bool_]:
-        key_of = self._key_of
-        return np.array([key_of[s] is not None for s in slots.tolist()], np.bool_)
+        held = list(map(self._key_of.__getitem__, slots.tolist()))
+        if None not in held:
+            return np.ones(len(held), np.bool_)
+        return np.fromiter(map(is_not, held, repeat(None)), np.bool_, len(held))
 
     def keys_of(self, slots: Sequence[int] | I64) -> list[bytes]:
         key_of = self._key_of
@@ -368,12 +379,13 @@ class DictIndex:
         self._slot_of.update(zip(keys, slot_list, strict=True))
 
     def remove(self, slots: Sequence[int] | I64) -> None:
-        key_of, slot_of = self._key_of, self._slot_of
-        for s in np.asarray(slots, np.int64).tolist():
-            key = key_of[s]
-            if key is not None:
-                del slot_of[key]
-                key_of[s] = None
+        # As chains of map over builtins: no Python bytecode per key (an eviction's cost).
+        key_of = self._key_of
+        slot_list = np.asarray(slots, np.int64).tolist()
+        held = list(map(key_of.__getitem__, slot_list))
+        keys = [k for k in held if k is not None] if None in held else cast(list[bytes], held)
+        deque(map(self._slot_of.pop, keys, repeat(None)), 0)  # a slot given twice: once
+        deque(map(key_of.__setitem__, slot_list, repeat(None)), 0)
 
     def clear(self) -> None:
         self._slot_of.clear()

@@ -189,37 +189,51 @@ class RecencyLists:
 
     def pop(self, lst: int, n: int, evictable: Evictable) -> I64:
         """Take up to ``n`` of list ``lst``'s oldest slots that ``evictable`` accepts, oldest
-        first; they leave every list. Fewer only when fewer are evictable."""
+        first; they leave every list. Fewer only when fewer are evictable.
+
+        A dozen numpy calls a chunk, whatever its length (at a few µs each on a loaded CPU,
+        they are what a store's eviction of a few dozen blocks costs): the live entries
+        found by their position alone where there is one list, and the refused ones
+        gathered only when there are some."""
         self.flush()
         log = self._logs[lst]
+        pos, buf = self._pos, log.buf
+        one_list = len(self._sizes) == 2
         out: list[I64] = []
         held: list[I32] = []
         need = n
         while need > 0 and log.head < log.tail:
             start = log.head
             span = min(log.tail - start, max(2 * need, 256))
-            entries = log.buf[start : start + span]
-            live = self._live(lst, start, entries)
-            cand = entries[live].astype(np.int64)
+            entries = buf[start : start + span]
+            live = pos[entries] == np.arange(start, start + span, dtype=np.int32)
+            if not one_list:
+                live &= self.member[entries] == lst
+            at = live.nonzero()[0]
+            cand = entries[at].astype(np.int64)
             ok = np.asarray(evictable(cand), np.bool_)
-            found = int(np.count_nonzero(ok))
-            if found > need:  # stop right after the need-th: the rest stays for next time
-                last = int(np.flatnonzero(ok)[need - 1])
-                span = int(np.flatnonzero(live)[last]) + 1
-                cand, ok = cand[: last + 1], ok[: last + 1]
+            took = ok.nonzero()[0]
+            found = len(took)
+            if found >= need:  # stop right after the need-th: the rest stays for next time
+                last = int(took[need - 1])
+                span = int(at[last]) + 1
+                cand, ok, took = cand[: last + 1], ok[: last + 1], took[:need]
                 found = need
-            out.append(cand[ok])
-            held.append(cand[~ok].astype(np.int32))
+            out.append(cand[took] if found < len(cand) else cand)
+            if found < len(cand):
+                held.append(cand[~ok].astype(np.int32))
             need -= found
             log.head = start + span
-        refused = np.concatenate(held) if held else np.zeros(0, np.int32)
-        if len(refused):  # back at the old end, in their order
+        if held:  # back at the old end, in their order
+            refused = np.concatenate(held) if len(held) > 1 else held[0]
             log.head -= len(refused)
-            log.buf[log.head : log.head + len(refused)] = refused
-            self._pos[refused] = np.arange(log.head, log.head + len(refused), dtype=np.int32)
-        victims = np.concatenate(out) if out else np.zeros(0, np.int64)
+            buf[log.head : log.head + len(refused)] = refused
+            pos[refused] = np.arange(log.head, log.head + len(refused), dtype=np.int32)
+        if not out:
+            return np.zeros(0, np.int64)
+        victims = np.concatenate(out) if len(out) > 1 else out[0]
         self.member[victims] = NONE
-        self._pos[victims] = -1
+        pos[victims] = -1
         self._sizes[lst] -= len(victims)
         return victims
 

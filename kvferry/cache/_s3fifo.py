@@ -23,14 +23,15 @@ import numpy as np
 
 from ._policy import I64
 from ._recency import Evictable
-from ._table import FingerprintQueue
+from ._table import GhostQueue
 
 _NONE, _S, _M = 0, 1, 2
 _MAX_FREQ = 3
 
 
 class _Ring:
-    """A FIFO of slots on a fixed ring: push at the young end, pop at the old end."""
+    """A FIFO of slots on a fixed ring: push at the young end, pop at the old end (slice
+    copies, two where the ring wraps: no index arithmetic per slot)."""
 
     def __init__(self, size: int) -> None:
         self._a = np.zeros(size, np.int64)
@@ -39,14 +40,27 @@ class _Ring:
 
     def push(self, slots: I64) -> None:
         n = len(slots)
-        if self.len + n > len(self._a):
-            raise OverflowError(f"ring of {len(self._a)}: {self.len} + {n}")
-        self._a[(self._head + self.len + np.arange(n)) % len(self._a)] = slots
+        size = len(self._a)
+        if self.len + n > size:
+            raise OverflowError(f"ring of {size}: {self.len} + {n}")
+        if not n:
+            return
+        start = self._head + self.len
+        if start >= size:
+            start -= size
+        first = min(n, size - start)
+        self._a[start : start + first] = slots[:first]
+        if first < n:
+            self._a[: n - first] = slots[first:]
         self.len += n
 
     def peek(self, n: int) -> I64:
-        out: I64 = self._a[(self._head + np.arange(min(n, self.len))) % len(self._a)]
-        return out
+        """The ``n`` oldest (fewer if fewer): a copy."""
+        n = min(n, self.len)
+        head, size = self._head, len(self._a)
+        if head + n <= size:
+            return self._a[head : head + n].copy()
+        return np.concatenate([self._a[head:], self._a[: head + n - size]])
 
     def pop(self, n: int) -> None:
         self._head = (self._head + n) % len(self._a)
@@ -74,7 +88,7 @@ class S3FIFOPolicy:
         self._freq = np.zeros(capacity, np.int8)
         self._s = _Ring(capacity)
         self._m = _Ring(capacity)
-        self._ghost = FingerprintQueue(capacity)
+        self._ghost = GhostQueue(capacity)
         # The hot path logs; _apply() replays the log in bulk before a decision.
         self._unplaced: list[tuple[I64, I64]] = []
         self._reused: list[I64] = []
@@ -133,8 +147,11 @@ class S3FIFOPolicy:
         # pinned blocks since it last gave anything (``stalled`` of them, its whole
         # length), it is passed over for the rest of the call: S's pinned blocks must not
         # keep M's evictable ones in, and nothing is read twice without progress.
+        # Index arrays, not boolean masks, and counts, not sums: a chunk costs what its
+        # numpy calls cost (a store's inline eviction takes a few dozen blocks).
         stalled = {True: 0, False: 0}
         small_target = self.small_share * self.capacity
+        freq_of, queue = self._freq, self._queue
         while need > 0:
             small_ok = self._s.len > stalled[True]
             main_ok = self._m.len > stalled[False]
@@ -144,35 +161,44 @@ class S3FIFOPolicy:
             ring = self._s if from_small else self._m
             chunk = ring.peek(max(need, 64))
             ok = np.asarray(evictable(chunk), np.bool_)
-            freq = self._freq[chunk]
-            leave = ok & (freq == 0)  # never reused (in S), or out of second chances (in M)
+            freq = freq_of[chunk]
+            # Leaves: never reused (in S), or out of second chances (in M).
+            leave = (ok & (freq == 0)).nonzero()[0]
             cut = len(chunk)
-            if leave.sum() > need:
-                cut = int(np.flatnonzero(leave)[need - 1]) + 1
-            chunk, ok, freq, leave = chunk[:cut], ok[:cut], freq[:cut], leave[:cut]
+            if len(leave) > need:
+                cut = int(leave[need - 1]) + 1
+                chunk, ok, freq, leave = chunk[:cut], ok[:cut], freq[:cut], leave[:need]
             ring.pop(cut)
-            stalled[from_small] = 0 if ok.any() else stalled[from_small] + cut
+            usable = int(np.count_nonzero(ok))
+            stalled[from_small] = 0 if usable else stalled[from_small] + cut
             gone = chunk[leave]
             if from_small:
                 # Reused at least once while in S: it earned a place in M.
-                up = chunk[ok & (freq > 0)]
-                self._freq[up] = 0
-                self._queue[up] = _M
-                self._m.push(up)
-                self._s.push(chunk[~ok])
+                up = chunk[(ok & (freq > 0)).nonzero()[0]]
+                if len(up):
+                    freq_of[up] = 0
+                    queue[up] = _M
+                    self._m.push(up)
+                if usable < cut:
+                    self._s.push(chunk[(~ok).nonzero()[0]])
                 self._ghost.push(tags[gone])
                 self._c["promotions"] += len(up)
                 self._c["evicted_small"] += len(gone)
             else:
-                again = chunk[ok & (freq > 0)]
-                self._freq[again] -= 1
-                # Pinned and second-chance blocks go round again, in their old order.
-                self._m.push(chunk[~leave])
+                if len(gone) < cut:
+                    again = chunk[(ok & (freq > 0)).nonzero()[0]]
+                    freq_of[again] -= 1
+                    # Pinned and second-chance blocks go round again, in their old order.
+                    kept = np.ones(cut, np.bool_)
+                    kept[leave] = False
+                    self._m.push(chunk[kept.nonzero()[0]])
                 self._c["evicted_main"] += len(gone)
-            self._queue[gone] = _NONE
+            queue[gone] = _NONE
             out.append(gone)
             need -= len(gone)
-        return np.concatenate(out) if out else np.zeros(0, np.int64)
+        if not out:
+            return np.zeros(0, np.int64)
+        return np.concatenate(out) if len(out) > 1 else out[0]
 
     def forget(self, slots: I64) -> None:
         self._apply()

@@ -26,7 +26,9 @@ single-threaded, like its owner.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
+from itertools import compress, repeat
 
 import numpy as np
 import numpy.typing as npt
@@ -105,6 +107,24 @@ class TagTable:
 
     def set_values_at(self, pos: I64, values: npt.ArrayLike) -> None:
         self._vals.reshape(-1)[pos] = values
+
+    def contains(self, tags: I64) -> npt.NDArray[np.bool_]:
+        """Whether each tag is present: :meth:`find` without positions, in fewer numpy
+        calls (one probe round almost always; the column only of tags found)."""
+        if not self.size:
+            return np.zeros(len(tags), np.bool_)
+        home = self.home(tags)
+        tags2 = tags[:, None]
+        hit: npt.NDArray[np.bool_] = (self._tags[home] == tags2).view("<u8").ravel() != 0
+        todo = (~hit & (self._over[home] > 0)).nonzero()[0]
+        bucket = home[todo]
+        while len(todo):
+            bucket = (bucket + 1) % self._nb
+            found = (self._tags[bucket] == tags2[todo]).view("<u8").ravel() != 0
+            hit[todo[found]] = True
+            keep = ~found & (self._over[bucket] > 0)
+            todo, bucket = todo[keep], bucket[keep]
+        return hit
 
     def find(self, tags: I64) -> I64:
         """Flat position of each tag, -1 where absent."""
@@ -206,10 +226,13 @@ class FingerprintQueue:
     follows the members: it starts small and doubles up to ``capacity``.
     """
 
-    def __init__(self, capacity: int, *, payload: bool = False, initial: int = 1024) -> None:
+    def __init__(
+        self, capacity: int, *, payload: bool = False, initial: int = 1024, max_load: float = 0.6
+    ) -> None:
         if capacity <= 0:
             raise ValueError(f"capacity must be > 0, got {capacity}")
         self.capacity = capacity
+        self._max_load = max_load
         self._has_payload = payload
         self.size = 0  # live members
         self._allocate(min(capacity, initial))
@@ -220,7 +243,7 @@ class FingerprintQueue:
         self._ring = np.zeros(self._ring_size, np.int64)  # tag, 0 for a hole
         self._where = np.zeros(self._ring_size, np.int64)  # its position in the table
         self._payload = np.zeros(self._ring_size if self._has_payload else 0, np.int32)
-        self._table = TagTable(room + 1, max_load=0.6)
+        self._table = TagTable(room + 1, max_load=self._max_load)
         self._head = 0  # ring index of the oldest entry
         self._len = 0  # ring entries from head, holes included
 
@@ -230,6 +253,10 @@ class FingerprintQueue:
     def find(self, tags: I64) -> I64:
         """Ring index of each tag, -1 where it is not a member."""
         return self._table.values_at(self._table.find(tags))
+
+    def members(self, tags: I64) -> npt.NDArray[np.bool_]:
+        """Which of ``tags`` are members."""
+        return self._table.contains(tags)
 
     def payload(self, ring_idx: I64) -> npt.NDArray[np.int32]:
         if not self._has_payload:
@@ -314,3 +341,86 @@ class FingerprintQueue:
     @property
     def nbytes(self) -> int:
         return self._ring.nbytes + self._where.nbytes + self._payload.nbytes + self._table.nbytes
+
+
+class GhostQueue:
+    """:class:`FingerprintQueue`'s set semantics (a FIFO set of at most ``capacity`` tags:
+    push at the young end, the oldest forgotten beyond ``capacity``, members discarded),
+    for the policies' ghost lists, at a few numpy calls per eviction.
+
+    The youngest pushes (at most ``fresh`` of them) wait in an insertion-ordered dict and
+    enter the queue in one batch (a push of a few dozen tags would cost a dozen numpy
+    calls of a few µs each); members the bound pushed out of the queue are only owed
+    (``_owed``, its oldest) until that batch, or until a lookup finds one of the queue's
+    members (rare: a ghost hit), which trims them first. Every answer is the
+    :class:`FingerprintQueue`'s: all queued members are older than the fresh ones.
+    """
+
+    def __init__(self, capacity: int, *, fresh: int = 4096, max_load: float = 0.4) -> None:
+        if capacity <= 0:
+            raise ValueError(f"capacity must be > 0, got {capacity}")
+        self.capacity = capacity
+        self._queue = FingerprintQueue(capacity, max_load=max_load)
+        self._fresh: dict[int, None] = {}
+        self._room = max(1, min(fresh, capacity // 4))
+        self._owed = 0  # the queue's oldest members that are no longer members
+
+    def __len__(self) -> int:
+        return self._queue.size - self._owed + len(self._fresh)
+
+    def push(self, tags: I64) -> None:
+        """Append ``tags`` (not members, distinct) as the youngest, then bound the size."""
+        n = len(tags)
+        if not n:
+            return
+        if len(self._fresh) + n > self._room:
+            self._settle()
+            if n > self._room:  # a large batch goes to the queue at once
+                self._queue.push(tags)
+                self._bound()
+                return
+        self._fresh.update(dict.fromkeys(tags.tolist()))
+        self._bound()
+
+    def _bound(self) -> None:
+        over = len(self) - self.capacity
+        if over > 0:  # never more than the queue holds: fresh ones are at most a quarter
+            self._owed += over
+
+    def _settle(self) -> None:
+        """Trim what is owed, then move the fresh tags into the queue, in their order."""
+        if self._owed:
+            self._queue.trim(self._queue.size - self._owed)
+            self._owed = 0
+        if self._fresh:
+            fresh = np.fromiter(self._fresh, np.int64, len(self._fresh))
+            self._fresh = {}
+            self._queue.push(fresh)
+
+    def discard(self, tags: I64) -> npt.NDArray[np.bool_]:
+        """Remove the members among ``tags``; returns which were members."""
+        fresh = self._fresh
+        hit = np.zeros(len(tags), np.bool_)
+        if fresh:
+            listed = tags.tolist()
+            found = list(map(fresh.__contains__, listed))
+            if True in found:
+                hit = np.array(found, np.bool_)
+                deque(map(fresh.pop, compress(listed, found), repeat(None)), 0)
+        if self._queue.size > self._owed:
+            queued = self._queue.members(tags)
+            if queued.any():
+                if self._owed:  # the owed ones first: they are not members
+                    self._queue.trim(self._queue.size - self._owed)
+                    self._owed = 0
+                hit |= self._queue.discard(tags)
+        return hit
+
+    def clear(self) -> None:
+        self._queue.clear()
+        self._fresh = {}
+        self._owed = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self._queue.nbytes

@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvferry.cache._table import WIDTH, FingerprintQueue, TagTable
+from kvferry.cache._table import WIDTH, FingerprintQueue, GhostQueue, TagTable
 
 SETTINGS = settings(max_examples=80, derandomize=True, database=None, deadline=None)
 
@@ -85,3 +85,43 @@ def test_fingerprint_queue_is_a_bounded_fifo_set(ops: list[tuple[str, int]]) -> 
         payload = q.payload(np.maximum(idx, 0))
         members = {int(p): int(payload[i]) for i, p in enumerate(probe) if idx[i] >= 0}
         assert members == dict(ref)
+
+
+@SETTINGS
+@given(
+    st.integers(1, 40),
+    st.integers(1, 9),
+    st.lists(
+        st.tuples(st.sampled_from(["push", "discard"]), st.lists(st.integers(0, 90), max_size=12)),
+        max_size=60,
+    ),
+)
+def test_ghost_queue_answers_as_the_fingerprint_queue(
+    capacity: int, fresh: int, ops: list[tuple[str, list[int]]]
+) -> None:
+    """Fresh pushes in a dict, owed trims: every answer and size is the plain queue's."""
+    ghost = GhostQueue(capacity, fresh=fresh)
+    ref = FingerprintQueue(capacity, initial=4)
+    for op, values in ops:
+        batch = tags(values)
+        if op == "push":
+            batch = tags(list(dict.fromkeys(values)))  # distinct, and not members
+            batch = batch[ref.find(batch) < 0]
+            ghost.push(batch)
+            ref.push(batch)
+        else:
+            assert ghost.discard(batch).tolist() == ref.discard(batch).tolist()
+        assert len(ghost) == len(ref)
+    probe = tags(list(range(0, 91)))
+    assert ghost.discard(probe).tolist() == (ref.find(probe) >= 0).tolist()
+
+
+def test_tag_table_contains_follows_overflow_chains() -> None:
+    table = TagTable(32, max_load=1.0)  # 4 buckets of 8
+    nb = table.num_buckets
+    same_home = tags([(i * nb) << 1 for i in range(1, 2 * WIDTH + 3)])  # all in bucket 0
+    table.insert(same_home, np.arange(len(same_home)))
+    assert table.contains(same_home).all()
+    assert not table.contains(tags([(99 * nb) << 1, 7 << 1])).any()
+    table.remove_at(table.find(same_home[:WIDTH]))
+    assert table.contains(same_home).tolist() == [False] * WIDTH + [True] * (WIDTH + 2)
