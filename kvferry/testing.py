@@ -275,6 +275,7 @@ def run_long_doc_passes(
         )
     return results
 
+
 from ._faults import FAULT_KINDS as FAULT_KINDS  # noqa: E402
 from ._faults import FaultPlan as FaultPlan  # noqa: E402
 from ._faults import SoakFaultEngine as SoakFaultEngine  # noqa: E402
@@ -334,8 +335,9 @@ def wait_for_disk_chunks(
 
 
 def redis_chunk_keys(url: str) -> set[bytes]:
-    """The Redis keys of kvferry's chunks (every fingerprint) on the server at ``url``
-    (``kvferry:v{FORMAT_VERSION}:{fingerprint}:{key}``, see ``kvferry.tiers.RedisStore``)."""
+    """The Redis keys of kvferry's chunks (every fingerprint and ``encrypt_key``) on the
+    server at ``url`` (``kvferry:v{FORMAT_VERSION}:{fingerprint}:...``, see
+    ``kvferry.tiers.RedisStore``)."""
     import redis
 
     from .tiers import FORMAT_VERSION

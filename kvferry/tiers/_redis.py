@@ -1,9 +1,13 @@
 """RedisStore: chunks in a shared Redis (one server, or a Redis Cluster), verified on
 every read.
 
-Keys: ``kvferry:v{FORMAT_VERSION}:{fingerprint digest hex}:{key hex}``. Engines with
-another fingerprint (model, dtype, layout, block size, rank, hash algorithm) never see
-each other's chunks, and engines with the same one always do. On a cluster the keys
+Keys: ``kvferry:v{FORMAT_VERSION}:{fingerprint digest hex}:{key hex}``, with
+``encrypt_key`` ``kvferry:v{FORMAT_VERSION}:{fingerprint digest hex}:e{key id}:{key
+hex}`` (the key id: 8 bytes of HMAC-SHA256 of a fixed label under the AES key, which
+names the key without revealing it). Engines with another fingerprint (model, dtype,
+layout, block size, rank, hash algorithm) or another ``encrypt_key`` (or none) never see
+each other's chunks, so never delete them as values they cannot open; engines with the
+same ones always do. On a cluster the keys
 spread over every slot (no hash tag): each operation is one pipeline of single-key
 commands, which the cluster client splits by node; no command spans two slots.
 
@@ -27,6 +31,8 @@ package is imported when a store is made, never by ``import kvferry``.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import time
 import urllib.parse
@@ -121,9 +127,14 @@ def _parse_url(url: object, key: str) -> urllib.parse.SplitResult:
     return parts
 
 
-def _aead(encrypt_key: bytes | str | None, key: str) -> Any:
+_KEY_ID_LABEL = b"kvferry redis encrypt_key id"
+
+
+def _aead(encrypt_key: bytes | str | None, key: str) -> tuple[Any, str]:
+    """The AES-GCM sealer of ``encrypt_key`` and the key's id for Redis keys (``""``
+    without a key)."""
     if encrypt_key is None:
-        return None
+        return None, ""
     raw: bytes
     if isinstance(encrypt_key, str):
         try:
@@ -140,7 +151,8 @@ def _aead(encrypt_key: bytes | str | None, key: str) -> Any:
         raise ConfigError(
             key, "needs the cryptography package: pip install 'kvferry[redis]'"
         ) from exc
-    return AESGCM(raw)
+    key_id = hmac.new(raw, _KEY_ID_LABEL, hashlib.sha256).hexdigest()[:16]
+    return AESGCM(raw), f"e{key_id}:"
 
 
 class RedisStore:
@@ -199,8 +211,8 @@ class RedisStore:
         self.connect_timeout_s = connect_timeout_s
         self.breaker = breaker or CircuitBreaker()
         self._secrets = [p.password for p in parsed if p.password]
-        self._aead = _aead(encrypt_key, f"{self._tier}.encrypt_key")
-        self._prefix = f"kvferry:v{FORMAT_VERSION}:{fingerprint.digest.hex()}:".encode()
+        self._aead, key_id = _aead(encrypt_key, f"{self._tier}.encrypt_key")
+        self._prefix = f"kvferry:v{FORMAT_VERSION}:{fingerprint.digest.hex()}:{key_id}".encode()
         self._log = get_logger("kvferry.tiers", tier=tier_index, redis=self.url)
         self._logged: set[str] = set()
         self._client = self._make_client(urls, parsed, max_connections)

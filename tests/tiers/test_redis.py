@@ -184,8 +184,11 @@ async def test_a_sealed_value_under_another_key_or_another_aes_key_does_not_decr
     raw = await raw_client(redis_url)
     try:
         await store.write([key(1), key(2)], [payload(1, 100), payload(2, 100)])
-        await raw.set(store.redis_key(key(2)), await raw.get(store.redis_key(key(1))))
+        sealed = await raw.get(store.redis_key(key(1)))
+        await raw.set(store.redis_key(key(2)), sealed)
         assert list(await store.read([key(2)], [np.zeros(100, np.uint8)])) == [Outcome.CORRUPT]
+        # Moved into the other AES key's names (only someone who can write Redis can).
+        await raw.set(wrong.redis_key(key(1)), sealed)
         assert list(await wrong.read([key(1)], [np.zeros(100, np.uint8)])) == [Outcome.CORRUPT]
         assert dict(store.statistics().corrupt_by_field) == {"auth": 1}
         assert dict(wrong.statistics().corrupt_by_field) == {"auth": 1}
@@ -193,6 +196,32 @@ async def test_a_sealed_value_under_another_key_or_another_aes_key_does_not_decr
         for s in (store, wrong):
             await s.aclose()
         await raw.aclose()
+
+
+@pytest.mark.anyio
+async def test_stores_with_another_aes_key_or_none_never_see_nor_delete_the_values(
+    redis_url: str,
+) -> None:
+    """Each AES key (and no key) names its values apart: another key's store finds
+    nothing (a miss) and so never deletes a value it could not open."""
+    store = await open_store(redis_url, encrypt_key=AES_KEY)
+    again = await open_store(redis_url, encrypt_key=AES_KEY)
+    others = [await open_store(redis_url, encrypt_key=bytes(32)), await open_store(redis_url)]
+    try:
+        assert list(await store.write([key(1)], [payload(1, 100)])) == [Outcome.OK]
+        names = {s.redis_key(key(1)) for s in (store, *others)}
+        assert len(names) == 3 and again.redis_key(key(1)) == store.redis_key(key(1))
+        for other in others:
+            assert not (await other.exists([key(1)])).any()
+            assert list(await other.read([key(1)], [np.zeros(100, np.uint8)])) == [Outcome.ABSENT]
+            assert other.statistics().corrupt == 0
+        into = np.zeros(100, np.uint8)
+        assert list(await again.read([key(1)], [into])) == [Outcome.OK]
+        assert np.array_equal(into, payload(1, 100))
+        assert AES_KEY.hex() not in store.redis_key(key(1)).decode()
+    finally:
+        for s in (store, again, *others):
+            await s.aclose()
 
 
 @pytest.mark.parametrize(
