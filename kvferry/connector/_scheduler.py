@@ -349,7 +349,7 @@ class SchedulerSide:
         below_host = self.disk is not None or self.redis is not None
         each = geo.hybrid or below_host
         lease: Lease = self._ask(lambda r: LookupAndPin(keys=tuple(keys), each=each, reply=r))
-        on_disk = None
+        below: npt.NDArray[np.bool_] | None = None  # held below host memory (disk, Redis)
         on_redis = np.zeros(len(keys), np.bool_)
         if below_host:
             # The longest prefix held by host memory or a tier below, chunk by chunk.
@@ -365,8 +365,7 @@ class SchedulerSide:
                     return None, False
                 on_redis = in_redis & ~host & ~below
                 below |= on_redis
-            on_disk = below
-            ready = host | on_disk
+            ready = host | below
             if geo.hybrid:
                 hit_chunks = first + windowed_hit(ready.reshape(-1, geo.num_groups), geo.windows)
             else:
@@ -391,9 +390,9 @@ class SchedulerSide:
             self._unpin(lease.slots)
             return None, False
         disk_lease = None
-        if on_disk is not None and hit_chunks > first:
+        if below is not None and hit_chunks > first:
             hit_chunks, disk_lease = self._reserve_disk_hit(
-                keys, first, hit_chunks, ready, on_disk, on_redis
+                keys, first, hit_chunks, ready, below, on_redis
             )
         new_tokens = hit_chunks * ct - num_computed_tokens
         self.trace.lookup(
@@ -415,11 +414,11 @@ class SchedulerSide:
         if len(lease.slots):
             self._leases[request.request_id] = lease.slots
         st.disk_tokens = st.redis_tokens = 0
-        if disk_lease is not None and on_disk is not None:
+        if disk_lease is not None and below is not None:
             self._disk_leases[request.request_id] = disk_lease
             n = (hit_chunks - first) * geo.num_groups
             from_redis = on_redis[:n].reshape(-1, geo.num_groups).any(axis=1)
-            from_disk = (on_disk[:n] & ~on_redis[:n]).reshape(-1, geo.num_groups).any(axis=1)
+            from_disk = (below[:n] & ~on_redis[:n]).reshape(-1, geo.num_groups).any(axis=1)
             st.redis_tokens = int(from_redis.sum()) * ct
             st.disk_tokens = int((from_disk & ~from_redis).sum()) * ct
         return new_tokens, True
@@ -463,10 +462,10 @@ class SchedulerSide:
         first: int,
         hit_chunks: int,
         ready: npt.NDArray[np.bool_],
-        on_disk: npt.NDArray[np.bool_],
+        below: npt.NDArray[np.bool_],
         on_redis: npt.NDArray[np.bool_],
     ) -> tuple[int, DiskLease | None]:
-        """The part of a hit below host memory (``on_disk``: on disk or, ``on_redis``, in
+        """The part of a hit below host memory (``below``: on disk or, ``on_redis``, in
         Redis): its disk chunks leased in the disk tier (not evicted before their load),
         and host slots reserved for all of it now (STORING: the load reads into them,
         neither a hit nor evictable meanwhile). The hit is cut before the first chunk no
@@ -474,7 +473,7 @@ class SchedulerSide:
         (chunks) and the lease."""
         geo = self.geometry
         G = geo.num_groups
-        idx = np.flatnonzero(on_disk[: (hit_chunks - first) * G])
+        idx = np.flatnonzero(below[: (hit_chunks - first) * G])
         if not len(idx):
             return hit_chunks, None
         dkeys = [keys[i] for i in idx.tolist()]
