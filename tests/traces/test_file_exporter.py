@@ -61,9 +61,11 @@ def finish_requests(sched: SchedulerTracer, n: int) -> None:
         sched.request_finished(f"req-{i}")
 
 
-@pytest.fixture
-def two_process_files(tmp_path: Path) -> tuple[Path, Path]:
-    """Three requests traced by this process (scheduler) and a child process (worker)."""
+@pytest.fixture(scope="module")
+def two_process_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Three requests traced by this process (scheduler) and a child process (worker);
+    written once for the module (the tests only read the files)."""
+    tmp_path = tmp_path_factory.mktemp("two-processes")
     sched_file, worker_file = tmp_path / "sched.json", tmp_path / "worker.json"
     provider = setup({"file": str(sched_file)}, role="scheduler", environ={})
     assert provider is not None
