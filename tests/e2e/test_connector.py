@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from kvferry.testing import close_engine, engine_args, long_doc_prompts
+from tests.e2e._baselines import EAGER
 
 pytestmark = pytest.mark.e2e
 
@@ -24,7 +25,7 @@ class Engine:
     def __init__(self, model: Path, kvferry: dict[str, Any] | None) -> None:
         from vllm import LLM
 
-        self.llm = LLM(**engine_args(model, kvferry=kvferry, disable_log_stats=False))
+        self.llm = LLM(**engine_args(model, kvferry=kvferry, **EAGER))
 
     def generate(self, prompts: list[list[int]], max_tokens: int = 8, **extra: Any) -> list[Any]:
         from vllm import SamplingParams

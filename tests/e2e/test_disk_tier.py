@@ -47,18 +47,18 @@ from kvferry.testing import (
     disk_chunk_files,
     engine_args,
     kvferry_metrics,
-    long_doc_prompts,
     reset_engine_cache,
     wait_for_disk_chunks,
 )
+from tests.e2e._baselines import ALONE_DOCS, EAGER, alone_sampling
 
 pytestmark = pytest.mark.e2e
 
-DOC_TOKENS = 1000  # + 8 question tokens: 7 full blocks of 128 tokens
+# The documents (1000 + 8 question tokens: 7 full blocks of 128 tokens) and the engine
+# arguments of tests/e2e/test_redis_tier.py too: one engine without kvferry answers both.
+DOCS = ALONE_DOCS
 CHUNKS = 7
 FULL_TOKENS = CHUNKS * 128
-MAX_TOKENS = 6
-DOCS = long_doc_prompts(8, DOC_TOKENS, seed=47)
 MAIN = list(range(6))
 P, Q = 6, 7  # the partial-hit pair (asked after pass 2)
 ALL = [*MAIN, P, Q]
@@ -71,7 +71,7 @@ DISK_BYTES = 64 << 20  # room for every chunk
 C_BLOCK = 256
 C_CHUNK_FILE = 4096 + 2 * BLOCK_BYTES  # header + payload
 DISK_C_CHUNKS = 5
-ENGINE = {"enforce_eager": True, "disable_log_stats": False}
+ENGINE = EAGER
 
 # Observables of the disk tier (kvferry/_metrics.py). A request's tokens from disk: the
 # disk part of its lookup hit (its loaded tokens, from kv_transfer_params, cover both).
@@ -109,12 +109,12 @@ class Asked:
 
 
 def ask(llm: Any, doc: int) -> Asked:
-    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     before = kvferry_metrics(llm)
-    [out] = llm.generate([TokensPrompt(prompt_token_ids=DOCS[doc])], params, use_tqdm=False)
+    [out] = llm.generate(
+        [TokensPrompt(prompt_token_ids=DOCS[doc])], alone_sampling(), use_tqdm=False
+    )
     after = kvferry_metrics(llm)
     return Asked(
         tokens=list(out.outputs[0].token_ids),
@@ -189,12 +189,10 @@ def disk_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def baseline(tiny_model: Path) -> dict[int, list[int]]:
-    llm = start(tiny_model, None)
-    try:
-        return {d: ask(llm, d).tokens for d in ALL}
-    finally:
-        close_engine(llm)
+def baseline(answers_alone: dict[int, list[int]]) -> dict[int, list[int]]:
+    """Each document's answer without kvferry (tests/e2e/conftest.py)."""
+    assert sorted(answers_alone) == ALL
+    return answers_alone
 
 
 @attrs.define

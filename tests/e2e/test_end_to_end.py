@@ -16,43 +16,28 @@ from typing import Any
 
 import pytest
 
-from kvferry.testing import (
-    close_engine,
-    engine_args,
-    long_doc_prompts,
-    reask_order,
-    run_long_doc_passes,
-)
+from tests.e2e._baselines import PASS_DOC_TOKENS, PASS_DOCS, Passes, two_passes
 
 pytestmark = pytest.mark.e2e
 
-NUM_DOCS, DOC_TOKENS = 6, 1000  # 8 engine blocks each: 48 blocks > the engine's 24
-MAX_TOKENS = 8
+NUM_DOCS, DOC_TOKENS = len(PASS_DOCS), PASS_DOC_TOKENS
 
 
-def run_two_passes(model: Path, kvferry: dict[str, Any] | None) -> dict[str, Any]:
-    from vllm import LLM
-
-    llm = LLM(**engine_args(model, kvferry=kvferry, disable_log_stats=False))
-    docs = long_doc_prompts(NUM_DOCS, DOC_TOKENS)
-    results = run_long_doc_passes(
-        llm, docs, [list(range(NUM_DOCS)), reask_order(NUM_DOCS)], max_tokens=MAX_TOKENS
-    )
+def as_dict(run: Passes) -> dict[str, Any]:
     passes = [
         {
             d: {"tokens": r.tokens[d], "cached": r.cached[d], "loaded": r.loaded[d]}
             for d in range(NUM_DOCS)
         }
-        for r in results
+        for r in run.results
     ]
-    metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
-    close_engine(llm)
-    return {"passes": passes, "metrics": metrics}
+    return {"passes": passes, "metrics": run.metrics}
 
 
 @pytest.fixture(scope="module")
-def baseline(tiny_model: Path) -> dict[str, Any]:
-    return run_two_passes(tiny_model, None)
+def baseline(two_passes_without_kvferry: Passes) -> dict[str, Any]:
+    """Without kvferry (tests/e2e/conftest.py: one engine for this module and test_failures)."""
+    return as_dict(two_passes_without_kvferry)
 
 
 @pytest.fixture(scope="module", params=[None, 256], ids=["block128", "block256"])
@@ -60,7 +45,7 @@ def with_kvferry(request: pytest.FixtureRequest, tiny_model: Path) -> dict[str, 
     extra: dict[str, Any] = {"cpu_bytes_to_use": 64 << 20}
     if request.param:
         extra["block_size"] = request.param
-    return {**run_two_passes(tiny_model, extra), "block_size": request.param or 128}
+    return {**as_dict(two_passes(tiny_model, extra)), "block_size": request.param or 128}
 
 
 def test_outputs_equal_outputs_without_kvferry(
@@ -116,7 +101,7 @@ def test_bad_config_fails_at_engine_start_naming_the_key(tiny_model: Path, tmp_p
             from kvferry.testing import engine_args
             if __name__ == "__main__":
                 bad = {{"cpu_bytes_to_use": 1 << 24, "blok_size": 256}}
-                LLM(**engine_args({str(tiny_model)!r}, kvferry=bad))
+                LLM(**engine_args({str(tiny_model)!r}, kvferry=bad, enforce_eager=True))
             """
         )
     )

@@ -14,38 +14,27 @@ from typing import Any
 
 import pytest
 
-from kvferry.testing import (
-    close_engine,
-    engine_args,
-    kvferry_metrics,
-    long_doc_prompts,
-    reask_order,
-    run_long_doc_passes,
-)
+from tests.e2e._baselines import Passes, two_passes
 
 pytestmark = pytest.mark.e2e
 
-NUM_DOCS, DOC_TOKENS = 6, 1000
-
 
 def run(model: Path, kvferry: dict[str, Any] | None) -> dict[str, Any]:
-    from vllm import LLM
+    return as_dict(two_passes(model, kvferry))
 
-    llm = LLM(**engine_args(model, kvferry=kvferry, disable_log_stats=False))
-    docs = long_doc_prompts(NUM_DOCS, DOC_TOKENS, seed=31)
-    results = run_long_doc_passes(llm, docs, [list(range(NUM_DOCS)), reask_order(NUM_DOCS)])
-    metrics = kvferry_metrics(llm)
-    close_engine(llm)
+
+def as_dict(passes: Passes) -> dict[str, Any]:
     return {
-        "tokens": [r.tokens for r in results],
-        "loaded": [r.loaded for r in results],
-        "metrics": metrics,
+        "tokens": [r.tokens for r in passes.results],
+        "loaded": [r.loaded for r in passes.results],
+        "metrics": passes.kvferry,
     }
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model: Path) -> dict[str, Any]:
-    return run(tiny_model, None)
+def reference(two_passes_without_kvferry: Passes) -> dict[str, Any]:
+    """Without kvferry (tests/e2e/conftest.py: one engine for this module and test_end_to_end)."""
+    return as_dict(two_passes_without_kvferry)
 
 
 def test_failed_loads_are_recomputed_and_failed_stores_never_hit(

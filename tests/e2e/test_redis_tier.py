@@ -36,11 +36,11 @@ from kvferry.testing import (
     close_engine,
     engine_args,
     kvferry_metrics,
-    long_doc_prompts,
     redis_chunk_keys,
     reset_engine_cache,
     wait_for_redis_chunks,
 )
+from tests.e2e._baselines import ALONE_DOCS, EAGER, alone_sampling
 from tests.tiers.redis_servers import RedisServer, redis_available
 
 pytestmark = [
@@ -48,11 +48,11 @@ pytestmark = [
     pytest.mark.skipif(not redis_available(), reason="needs redis-server (make test installs it)"),
 ]
 
-DOC_TOKENS = 1000  # + 8 question tokens: 7 full blocks of 128 tokens
+# The documents (1000 + 8 question tokens: 7 full blocks of 128 tokens) and the engine
+# arguments of tests/e2e/test_disk_tier.py too: one engine without kvferry answers both.
+DOCS = ALONE_DOCS
 CHUNKS = 7
 FULL_TOKENS = CHUNKS * 128
-MAX_TOKENS = 6
-DOCS = long_doc_prompts(8, DOC_TOKENS, seed=53)
 MAIN = list(range(6))  # asked by A, then by B
 GARBAGE, FLIPPED, TRUNCATED = 0, 1, 2  # damaged in Redis between A and B
 DAMAGED = (GARBAGE, FLIPPED, TRUNCATED)
@@ -66,7 +66,7 @@ BLOCK_BYTES = 2 * 2 * 128 * 2 * 64 * 2
 # Room for two documents and a bit (the six need 42 blocks): a document read up from
 # Redis beside one whose blocks are still being written through (host slots in use).
 HOST_BLOCKS = 2 * CHUNKS + 2
-ENGINE = {"enforce_eager": True, "disable_log_stats": False}
+ENGINE = EAGER
 # A short cool-down, so the restarted server is probed again at the next operation.
 BREAKER_COOLDOWN_S = 0.5
 PROBES = 30
@@ -111,12 +111,6 @@ def prompt(doc: int, salt: str | None = None) -> Any:
     return p
 
 
-def sampling() -> Any:
-    from vllm import SamplingParams
-
-    return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-
-
 @attrs.frozen(kw_only=True)
 class Asked:
     """One request, asked alone."""
@@ -142,7 +136,7 @@ def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]
 
 def ask(llm: Any, doc: int, salt: str | None = None) -> Asked:
     before = kvferry_metrics(llm)
-    [out] = llm.generate([prompt(doc, salt)], sampling(), use_tqdm=False)
+    [out] = llm.generate([prompt(doc, salt)], alone_sampling(), use_tqdm=False)
     return Asked(
         tokens=list(out.outputs[0].token_ids),
         params=dict((out.kv_transfer_params or {}).get("kvferry") or {}),
@@ -176,13 +170,11 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
 
 
 @pytest.fixture(scope="module")
-def baseline(tiny_model: Path) -> dict[int, list[int]]:
-    """Every document's answer without kvferry (a salt changes no output)."""
-    llm = start(tiny_model, None)
-    try:
-        return {d: ask(llm, d).tokens for d in range(len(DOCS))}
-    finally:
-        close_engine(llm)
+def baseline(answers_alone: dict[int, list[int]]) -> dict[int, list[int]]:
+    """Every document's answer without kvferry (tests/e2e/conftest.py; a salt changes no
+    output)."""
+    assert sorted(answers_alone) == list(range(len(DOCS)))
+    return answers_alone
 
 
 @attrs.define
@@ -267,7 +259,7 @@ def pass_killing_redis(llm: Any, server: RedisServer, docs: list[int]) -> Pass:
     engine = llm.llm_engine
     before = kvferry_metrics(llm)
     for doc in docs:
-        engine.add_request(f"kill-{doc}", prompt(doc), sampling())
+        engine.add_request(f"kill-{doc}", prompt(doc), alone_sampling())
     done: dict[int, list[int]] = {}
     finished_at_kill = -1
     deadline = time.monotonic() + 120.0
