@@ -37,6 +37,9 @@ class ARCPolicy:
     """
 
     name = "arc"
+    victims_checked = True
+    """Its victims are distinct slots ``evictable`` accepted in the call: the directory
+    does not check them again."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -103,9 +106,12 @@ class ARCPolicy:
         v2 = lists.pop(_T2, n - len(v1), evictable) if n > len(v1) else _EMPTY
         if len(v1) + len(v2) < n:
             v1 = np.concatenate([v1, lists.pop(_T1, n - len(v1) - len(v2), evictable)])
-        self._b1.push(tags[v1])
+        if len(v1):
+            self._b1.push(tags[v1])
+        if not len(v2):
+            return v1
         self._b2.push(tags[v2])
-        return np.concatenate([v1, v2])
+        return np.concatenate([v1, v2]) if len(v1) else v2
 
     def forget(self, slots: I64) -> None:
         self._lists.remove(slots)

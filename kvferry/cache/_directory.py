@@ -108,6 +108,9 @@ class Directory:
         self.num_slots = num_slots
         self.low, self.high = check_watermarks(watermarks)
         self.policy = make_policy(policy, num_slots)
+        # A built-in policy's victims are distinct slots its ``evictable`` accepted within
+        # the call (it asks about each): checked again only for other policies.
+        self._checked = getattr(self.policy, "victims_checked", False) is True
         self.store_threshold = store_threshold
         self._admission = (
             AdmissionFilter(store_threshold, tracker_size) if store_threshold > 1 else None
@@ -379,7 +382,7 @@ class Directory:
     def _unindex(self, slots: list[int] | I64) -> None:
         arr = np.asarray(slots, np.int64)
         held = self._index.holds(arr)
-        if not held.all():
+        if np.count_nonzero(held) < len(held):
             for s in arr[~held].tolist():
                 self._broken("unindex_of_a_slot_without_key", "skipped", slot=s)
             arr = arr[held]
@@ -450,9 +453,10 @@ class Directory:
     def _evict(self, n: int, protect: I64 | None) -> int:
         """Have the policy choose ``n`` victims and drop them: O(n), not O(capacity).
 
-        About twenty numpy calls whatever ``n`` (a store's inline eviction of a few dozen
-        blocks costs what its calls cost): the policy's choice is checked in one pass
-        (in range, READY, unpinned, distinct), and only a bad choice takes the slow path.
+        A dozen numpy calls whatever ``n`` (a store's inline eviction of a few dozen
+        blocks costs what its calls cost). The choice of a policy that is not built in
+        (``victims_checked``) is checked in one pass (in range, READY, unpinned,
+        distinct), and only a bad choice takes the slow path.
         """
         if protect is not None:
             self._pins[protect] += 1  # a repeated slot is counted once, and given back once
@@ -460,7 +464,7 @@ class Directory:
             victims = np.asarray(self.policy.victims(n, self._evictable, self._tag), np.int64)
             m = len(victims)
             good = m <= n
-            if m and good:
+            if m and good and not self._checked:
                 # uint64: a negative slot is out of range too. The sentinel slot reads FREE.
                 in_range = victims.view(np.uint64) < self.num_slots
                 good = int(np.count_nonzero(in_range)) == m

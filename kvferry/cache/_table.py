@@ -10,9 +10,12 @@ take and return arrays, one numpy pass per probe round (almost always one round)
 
 :class:`FingerprintQueue` is a bounded FIFO set of tags with an optional int32 payload,
 on a ring plus a :class:`TagTable` (and each entry's position in the table, so that the
-old end leaves without a search), its memory following its size: the ghost lists (ARC,
-S3-FIFO) and the admission counter use it. (The directory's key index is
-:class:`~kvferry.cache._index.KeyIndex`: it verifies full keys, which these tables need not.)
+old end leaves without a search), its memory following its size: the admission counter
+uses it, and :class:`GhostQueue` — the ghost lists of ARC and S3-FIFO — keeps its youngest
+pushes in a dict and enters them into one in batches (an eviction at watermarks (1, 1)
+pushes a few dozen tags, which would cost a dozen numpy calls each time). (The
+directory's key index is :class:`~kvferry.cache._index.KeyIndex`: it verifies full keys,
+which these tables need not.)
 
 Tags are Python's ``hash()`` of the key bytes, ``| 1`` so that 0 means empty. ``hash()``
 of bytes is salted per process: fine here, these tables live in one process and nothing in
@@ -160,8 +163,9 @@ class TagTable:
         todo = np.arange(n)
         while len(todo):
             b = bucket[todo]
-            ordered = np.sort(b)
-            if len(b) < 2 or (ordered[1:] != ordered[:-1]).all():
+            # A large batch shares some bucket almost surely: no sort to find out.
+            ordered = np.sort(b) if 1 < len(b) <= 256 else b
+            if len(b) < 2 or (len(b) <= 256 and (ordered[1:] != ordered[:-1]).all()):
                 # Distinct buckets (the common case of a small batch): each its first free cell.
                 fits, col = _first_set(self._tags[b] == 0)
             else:
@@ -197,11 +201,12 @@ class TagTable:
         home = self.home(tags)
         bucket = pos // WIDTH
         # An entry stored past its home bucket counted itself in every bucket it skipped.
-        moved = home != bucket
-        for h, b in zip(home[moved].tolist(), bucket[moved].tolist(), strict=True):
-            while h != b:
-                self._over[h] -= 1
-                h = (h + 1) % self._nb
+        moved = (home != bucket).nonzero()[0]
+        if len(moved):  # every bucket from its home up to (not) its own, in one pass
+            steps = (bucket[moved] - home[moved]) % self._nb
+            ends = np.cumsum(steps)
+            within = np.arange(int(ends[-1])) - np.repeat(ends - steps, steps)
+            np.subtract.at(self._over, (np.repeat(home[moved], steps) + within) % self._nb, 1)
         flat_tags[pos] = 0
         self._vals.reshape(-1)[pos] = -1
         self.size -= len(pos)
@@ -356,6 +361,10 @@ class GhostQueue:
     :class:`FingerprintQueue`'s: all queued members are older than the fresh ones.
     """
 
+    batch = 256
+    """A push of more tags goes to the queue at once (a numpy call costs less than a
+    dict update of that many)."""
+
     def __init__(self, capacity: int, *, fresh: int = 4096, max_load: float = 0.4) -> None:
         if capacity <= 0:
             raise ValueError(f"capacity must be > 0, got {capacity}")
@@ -373,9 +382,10 @@ class GhostQueue:
         n = len(tags)
         if not n:
             return
-        if len(self._fresh) + n > self._room:
+        at_once = n > self.batch or n > self._room
+        if at_once or len(self._fresh) + n > self._room:
             self._settle()
-            if n > self._room:  # a large batch goes to the queue at once
+            if at_once:  # a large batch goes to the queue at once, vectorized
                 self._queue.push(tags)
                 self._bound()
                 return

@@ -91,16 +91,19 @@ def test_fingerprint_queue_is_a_bounded_fifo_set(ops: list[tuple[str, int]]) -> 
 @given(
     st.integers(1, 40),
     st.integers(1, 9),
+    st.integers(1, 6),
     st.lists(
         st.tuples(st.sampled_from(["push", "discard"]), st.lists(st.integers(0, 90), max_size=12)),
         max_size=60,
     ),
 )
 def test_ghost_queue_answers_as_the_fingerprint_queue(
-    capacity: int, fresh: int, ops: list[tuple[str, list[int]]]
+    capacity: int, fresh: int, batch: int, ops: list[tuple[str, list[int]]]
 ) -> None:
-    """Fresh pushes in a dict, owed trims: every answer and size is the plain queue's."""
+    """Fresh pushes in a dict, owed trims, large pushes at once: every answer and size
+    is the plain queue's."""
     ghost = GhostQueue(capacity, fresh=fresh)
+    ghost.batch = batch
     ref = FingerprintQueue(capacity, initial=4)
     for op, values in ops:
         batch = tags(values)
