@@ -44,7 +44,12 @@ def run(model: Path, kvferry: dict[str, Any] | None) -> dict[str, Any]:
 
     llm = LLM(
         **engine_args(
-            model, kvferry=kvferry, num_gpu_blocks=24, max_model_len=1280, disable_log_stats=False
+            model,
+            kvferry=kvferry,
+            num_gpu_blocks=24,
+            max_model_len=1280,
+            disable_log_stats=False,
+            enforce_eager=True,  # tests/e2e/conftest.py
         )
     )
     try:

@@ -51,6 +51,7 @@ SLOT_BYTES = 2 * 2 * 2 * 64 * 128 * 2  # layers x (K, V) x kv heads x head dim x
 MAX_TOKENS = 8
 TOPIC = "kv"
 TIMEOUT_S = 60.0
+ENGINE = {"enforce_eager": True}  # both engines (tests/e2e/conftest.py)
 
 DOCS = long_doc_prompts(NUM_DOCS, DOC_TOKENS, seed=21)
 ORDERS = [list(range(NUM_DOCS)), reask_order(NUM_DOCS)]
@@ -200,7 +201,11 @@ def workload(llm: Any, with_resets: bool) -> dict[str, Any]:
 def baseline(tiny_model: Path) -> dict[str, Any]:
     from vllm import LLM
 
-    llm = LLM(**engine_args(tiny_model, num_gpu_blocks=NUM_GPU_BLOCKS, max_model_len=MAX_MODEL_LEN))
+    llm = LLM(
+        **engine_args(
+            tiny_model, num_gpu_blocks=NUM_GPU_BLOCKS, max_model_len=MAX_MODEL_LEN, **ENGINE
+        )
+    )
     try:
         return workload(llm, with_resets=False)
     finally:
@@ -232,6 +237,7 @@ def with_kvferry(
                 num_gpu_blocks=NUM_GPU_BLOCKS,
                 max_model_len=MAX_MODEL_LEN,
                 kv_events_config=events_config,
+                **ENGINE,
             )
         )
         try:

@@ -29,7 +29,7 @@ def run(model: Path, traces: dict[str, object] | None, docs: list[list[int]]) ->
     kvferry: dict[str, object] = {"cpu_bytes_to_use": 32 << 20}
     if traces is not None:
         kvferry["traces"] = traces
-    llm = LLM(**engine_args(model, kvferry=kvferry))
+    llm = LLM(**engine_args(model, kvferry=kvferry, enforce_eager=True))
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     outs = []
     for doc in docs:
