@@ -36,6 +36,7 @@ ENGINE_ON_CPU = {
     "gpu_memory_utilization": 0.3,  # on the CPU: a share of host memory
     "num_gpu_blocks_override": 24,
     "max_model_len": 2048,
+    "enforce_eager": True,  # a compiled start costs minutes on a 2-core test machine
 }
 
 

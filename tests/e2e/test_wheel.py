@@ -42,7 +42,7 @@ def main():
     from vllm.inputs import TokensPrompt
 
     model = make_tiny_model(Path(sys.argv[1]) / "model")
-    llm = LLM(**engine_args(model, kvferry={"cpu_bytes_to_use": 16 << 20}))
+    llm = LLM(**engine_args(model, kvferry={"cpu_bytes_to_use": 16 << 20}, enforce_eager=True))
     [doc] = long_doc_prompts(1, 600)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     outs = []
