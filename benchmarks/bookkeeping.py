@@ -35,13 +35,18 @@ Traces are seeded from ``--seed`` (default: a fresh seed, printed first); ``--ru
 replays N traces (seeds ``seed``.. ``seed + N - 1``) and reports the median and the spread
 of the ratios. The last line printed is one JSON object with the figures.
 
-Measured on the 2-core CPU machine while other jobs kept its load at 9-15 (seeds 2002,
-3003 for scaling; 7-9 for the replay): ``evict_us_per_key_1m`` 2.73 / 1.84 and
-``evict_us_per_key_4m`` 2.33 / 2.19 (the worst is S3-FIFO or ARC evicting 64 blocks at a
-time at watermarks (1, 1); LRU 0.87-0.90 there, every policy 0.36-1.25 in the evictor's
-batches), ``scaling_4m_vs_10k`` 1.68 / 1.60 (LRU at (1, 1): cache misses, no pass over
-the slots; the other five 0.44-1.21). Before, an eviction at (1, 1) passed over every
-slot: 28 µs per op for LRU at (1, 1) on the replay, now 2.4-3.1 µs. ``--quick``
+Measured on the 2-core CPU machine while other jobs (end-to-end tests) kept its load at
+5-9, seed 500, before and after an eviction's numpy calls were cut (fewer calls, index
+arrays, ghost pushes batched, the built-in policies' victims not checked twice): dict
+index ``evict_us_per_key_1m`` 7.1-8.1 -> 2.0-2.6, ``evict_us_per_key_4m`` 7.6-7.7 ->
+2.8-2.9; compact index 5.3 -> 3.0 and 9.2 -> 2.9. The worst is ARC evicting 64 blocks at
+a time at watermarks (1, 1) (LRU 1.1-2.3 there, every policy 0.24-1.7 in the evictor's
+batches): a numpy call costs 1-5 µs here under such load and such an eviction still makes
+about 30, and a ghost list enters its tags into a table of millions (~0.5 µs a key of
+cache misses). ``scaling_4m_vs_10k`` 1.3-2.2 (LRU at (1, 1)): the 10k runs got faster
+(their eviction was mostly numpy calls), the 4M ones pay cache misses per op (a dict of
+4M keys, arrays of 4M slots). Before any of this, an eviction at (1, 1) passed over every
+slot: 28 µs per op for LRU at (1, 1) on the replay. ``--quick``
 runs small traces and capacities (what the tests run).
 """
 
