@@ -39,14 +39,14 @@ Measured on the 2-core CPU machine while other jobs (end-to-end tests) kept its 
 5-9, seed 500, before and after an eviction's numpy calls were cut (fewer calls, index
 arrays, ghost pushes batched, the built-in policies' victims not checked twice): dict
 index ``evict_us_per_key_1m`` 7.1-8.1 -> 2.0-2.6, ``evict_us_per_key_4m`` 7.6-7.7 ->
-2.8-2.9; compact index 5.3 -> 3.0-3.4 and 9.2 -> 2.0-2.9. The worst is ARC (or S3-FIFO)
-evicting 64 blocks at a time at watermarks (1, 1) (LRU 1.1-2.3 there, every policy
-0.24-1.7 in the evictor's batches): a numpy call costs 1-5 µs here under such load and
-such an eviction still makes about 30, and a ghost list enters its tags into a table of
-millions (~0.5 µs a key of cache misses). ``scaling_4m_vs_10k`` 1.3-2.2 (LRU at (1, 1)):
-the 10k runs got faster (their eviction was mostly numpy calls), the 4M ones pay cache
-misses per op (a dict of 4M keys, arrays of 4M slots). Before any of this, an eviction
-at (1, 1) passed over every slot: 28 µs per op for LRU at (1, 1) on the replay.
+2.8-2.9; compact index 5.3-8.5 -> 3.0-3.4 and 9.2-10.6 -> 2.0-2.9. The worst is ARC (or
+S3-FIFO) evicting 64 blocks at a time at watermarks (1, 1) (LRU 1.1-2.3 there, every
+policy 0.24-1.7 in the evictor's batches): a numpy call costs 1-5 µs here under such
+load and such an eviction still makes about 30, and a ghost list enters its tags into a
+table of millions (~0.5 µs a key of cache misses). ``scaling_4m_vs_10k`` 1.3-2.2 (LRU at
+(1, 1)): the 10k runs got faster (their eviction was mostly numpy calls), the 4M ones
+pay cache misses per op (a dict of 4M keys, arrays of 4M slots). Before any of this, an
+eviction at (1, 1) passed over every slot: 28 µs per op for LRU at (1, 1) on the replay.
 ``--quick`` runs small traces and capacities (what the tests run).
 """
 
