@@ -37,7 +37,7 @@ of the ratios. The last line printed is one JSON object with the figures.
 
 Measured on the 2-core CPU machine while other jobs (end-to-end tests) kept its load at
 5-9, seed 500, before and after an eviction's numpy calls were cut (fewer calls, index
-arrays, ghost pushes batched, the built-in policies' victims not checked twice): dict
+arrays, ghost pushes batched; every policy's victims still checked once): dict
 index ``evict_us_per_key_1m`` 7.1-8.1 -> 2.0-2.6, ``evict_us_per_key_4m`` 7.6-7.7 ->
 2.8-2.9; compact index 5.3-8.5 -> 3.0-3.4 and 9.2-10.6 -> 2.0-2.9. The worst is ARC (or
 S3-FIFO) evicting 64 blocks at a time at watermarks (1, 1) (LRU 1.1-2.3 there, every

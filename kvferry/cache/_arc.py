@@ -37,9 +37,6 @@ class ARCPolicy:
     """
 
     name = "arc"
-    victims_checked = True
-    """Its victims are distinct slots ``evictable`` accepted in the call: the directory
-    does not check them again."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity

@@ -108,9 +108,6 @@ class Directory:
         self.num_slots = num_slots
         self.low, self.high = check_watermarks(watermarks)
         self.policy = make_policy(policy, num_slots)
-        # A built-in policy's victims are distinct slots its ``evictable`` accepted within
-        # the call (it asks about each): checked again only for other policies.
-        self._checked = getattr(self.policy, "victims_checked", False) is True
         self.store_threshold = store_threshold
         self._admission = (
             AdmissionFilter(store_threshold, tracker_size) if store_threshold > 1 else None
@@ -454,9 +451,10 @@ class Directory:
         """Have the policy choose ``n`` victims and drop them: O(n), not O(capacity).
 
         A dozen numpy calls whatever ``n`` (a store's inline eviction of a few dozen
-        blocks costs what its calls cost). The choice of a policy that is not built in
-        (``victims_checked``) is checked in one pass (in range, READY, unpinned,
-        distinct), and only a bad choice takes the slow path.
+        blocks costs what its calls cost). Every policy's choice, the built-in ones'
+        too, is checked in one pass (in range, READY, unpinned, distinct: invariant 2
+        is held here, not trusted to the policy), and only a bad choice takes the slow
+        path.
         """
         if protect is not None:
             self._pins[protect] += 1  # a repeated slot is counted once, and given back once
@@ -464,7 +462,7 @@ class Directory:
             victims = np.asarray(self.policy.victims(n, self._evictable, self._tag), np.int64)
             m = len(victims)
             good = m <= n
-            if m and good and not self._checked:
+            if m and good:
                 # uint64: a negative slot is out of range too. The sentinel slot reads FREE.
                 in_range = victims.view(np.uint64) < self.num_slots
                 good = int(np.count_nonzero(in_range)) == m

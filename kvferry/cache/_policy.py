@@ -42,11 +42,7 @@ class EvictionPolicy(Protocol):
     recency should rank the head as the most recent, so a prefix loses its tail first.
     Tags are 64-bit fingerprints of the keys (stable within the process), for history of
     keys no longer resident (ghosts); a policy that sets ``uses_tags = False`` gets empty
-    tag arrays and saves the directory the hashing. A policy that sets
-    ``victims_checked = True`` promises that :meth:`victims` returns distinct slots that
-    its ``evictable`` accepted within the call (the built-in ones): the directory skips
-    its own check of them (in range, READY, unpinned, distinct), which every other
-    policy's choice goes through.
+    tag arrays and saves the directory the hashing.
     """
 
     name: str
@@ -100,9 +96,6 @@ class LRUPolicy:
 
     name = "lru"
     uses_tags = False
-    victims_checked = True
-    """Its victims are distinct slots ``evictable`` accepted in the call: the directory
-    does not check them again."""
 
     def __init__(self, capacity: int) -> None:
         self._lru = RecencyLists(capacity)

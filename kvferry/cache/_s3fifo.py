@@ -78,9 +78,6 @@ class S3FIFOPolicy:
     """Small FIFO + main CLOCK + ghost: a one-hit block never reaches M."""
 
     name = "s3fifo"
-    victims_checked = True
-    """Its victims are distinct slots ``evictable`` accepted in the call: the directory
-    does not check them again."""
 
     small_share = 0.1
     """Share of the capacity S may hold before eviction takes from M instead."""
