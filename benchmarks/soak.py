@@ -325,14 +325,21 @@ class Engine:
             time.sleep(0.5)
 
 
-def start_engine(model: str, kvferry: dict[str, Any] | None, blocks: int) -> Any:
+def start_engine(
+    model: str, kvferry: dict[str, Any] | None, blocks: int, eager: bool = False
+) -> Any:
     from vllm import LLM
 
     from kvferry.testing import engine_args
 
     return LLM(
         **engine_args(
-            model, kvferry=kvferry, num_gpu_blocks=blocks, dtype="float32", disable_log_stats=False
+            model,
+            kvferry=kvferry,
+            num_gpu_blocks=blocks,
+            dtype="float32",
+            disable_log_stats=False,
+            enforce_eager=eager,
         )
     )
 
@@ -370,11 +377,13 @@ def run_soak(
     baseline: str = "off",
     workdir: str | None = None,
     log: Any = print,
+    eager: bool = False,
 ) -> dict[str, Any]:
     """Run the soak and its baseline; return the figures (see the module docstring).
 
     Traffic runs for ``minutes`` of wall time, or for exactly ``waves`` waves (the same
-    traffic on a busy machine as on a quiet one: what the tests use); give one."""
+    traffic on a busy machine as on a quiet one: what the tests use); give one.
+    ``eager``: both engines without graph capture (a shorter start; the tests')."""
     if (minutes is None) == (waves is None):
         raise ValueError("run_soak: give minutes or waves, not both")
     from kvferry.testing import (
@@ -417,7 +426,7 @@ def run_soak(
         gauge_samples: list[tuple[float, float]] = []
         rss = RssByWave()
         t_start = time.monotonic()
-        llm = start_engine(model, ferry_cfg, engine_blocks)
+        llm = start_engine(model, ferry_cfg, engine_blocks, eager)
         eng = Engine(name="kvferry", llm=llm, off=False, stall_s=stall_s)
         startup_s = time.monotonic() - t_start
         t0 = time.monotonic()
@@ -482,7 +491,7 @@ def run_soak(
             base_cfg: dict[str, Any] | None = None
             if baseline == "off":
                 base_cfg = {"cpu_bytes_to_use": host_blocks * bb, "traces": {"enabled": False}}
-            base_llm = start_engine(model, base_cfg, engine_blocks)
+            base_llm = start_engine(model, base_cfg, engine_blocks, eager)
             base = Engine(
                 name=f"baseline ({baseline})",
                 llm=base_llm,

@@ -41,6 +41,7 @@ def soak(soak_module: ModuleType, tmp_path_factory: pytest.TempPathFactory) -> d
         rates=soak_module.DEFAULT_RATES,
         workdir=str(tmp_path_factory.mktemp("soak")),
         log=lambda line: None,
+        eager=True,
     )
     print(figures)
     return figures
