@@ -25,8 +25,7 @@ from kvferry.testing import (
 
 EAGER = {"enforce_eager": True, "disable_log_stats": False}
 """The engine arguments (beyond engine_args') of the engines of the e2e modules started in
-the tests' process: eager,
-as tests/e2e/conftest.py says why."""
+the tests' process: eager, as tests/e2e/conftest.py says why."""
 
 
 # -- asked one at a time (tests/e2e/test_disk_tier.py, tests/e2e/test_redis_tier.py)
@@ -40,6 +39,49 @@ def alone_sampling() -> Any:
     from vllm import SamplingParams
 
     return SamplingParams(max_tokens=ALONE_MAX_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+DISK_TOKENS_HIT = "vllm:kvferry_disk_tokens_hit"  # of the lookup hits, those read from disk
+REDIS_TOKENS_HIT = "vllm:kvferry_redis_tokens_hit"  # ... those read from Redis
+
+
+@attrs.frozen(kw_only=True)
+class Asked:
+    """One request, asked alone (tests/e2e/test_disk_tier.py, tests/e2e/test_redis_tier.py)."""
+
+    tokens: list[int]
+    params: dict[str, Any]
+    """Its ``kv_transfer_params["kvferry"]``."""
+    delta: dict[str, float]
+    """kvferry's metrics after it minus before it."""
+
+    @property
+    def loaded(self) -> int:
+        return int(self.params.get("tokens_loaded", 0))
+
+    @property
+    def from_disk(self) -> int:
+        return int(self.delta.get(DISK_TOKENS_HIT, 0))
+
+    @property
+    def from_redis(self) -> int:
+        return int(self.delta.get(REDIS_TOKENS_HIT, 0))
+
+
+def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """kvferry's metrics ``after`` minus ``before``."""
+    return {k: v - before.get(k, 0) for k, v in after.items()}
+
+
+def ask_alone(llm: Any, prompt: Any) -> Asked:
+    """``prompt`` asked alone on ``llm`` (alone_sampling): its answer and what it cost."""
+    before = kvferry_metrics(llm)
+    [out] = llm.generate([prompt], alone_sampling(), use_tqdm=False)
+    return Asked(
+        tokens=list(out.outputs[0].token_ids),
+        params=dict((out.kv_transfer_params or {}).get("kvferry") or {}),
+        delta=delta(before, kvferry_metrics(llm)),
+    )
 
 
 def answers_alone(model: Path) -> dict[int, list[int]]:

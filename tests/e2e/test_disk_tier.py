@@ -50,7 +50,7 @@ from kvferry.testing import (
     reset_engine_cache,
     wait_for_disk_chunks,
 )
-from tests.e2e._baselines import ALONE_DOCS, EAGER, alone_sampling
+from tests.e2e._baselines import ALONE_DOCS, EAGER, Asked, ask_alone
 
 pytestmark = pytest.mark.e2e
 
@@ -75,7 +75,6 @@ ENGINE = EAGER
 
 # Observables of the disk tier (kvferry/_metrics.py). A request's tokens from disk: the
 # disk part of its lookup hit (its loaded tokens, from kv_transfer_params, cover both).
-DISK_TOKENS_HIT = "vllm:kvferry_disk_tokens_hit"
 DISK_READ_BYTES = "vllm:kvferry_disk_read_bytes"
 DISK_CORRUPT = "vllm:kvferry_disk_blocks_corrupt"  # header, fingerprint or checksum
 DISK_READS_FAILED = "vllm:kvferry_disk_reads_failed"
@@ -89,38 +88,10 @@ def ferry_config(path: Path, *, host_blocks: int = HOST_BLOCKS, **disk: Any) -> 
     }
 
 
-@attrs.frozen(kw_only=True)
-class Asked:
-    """One request, asked alone."""
-
-    tokens: list[int]
-    params: dict[str, Any]
-    """Its ``kv_transfer_params["kvferry"]``."""
-    delta: dict[str, float]
-    """kvferry's metrics after it minus before it."""
-
-    @property
-    def loaded(self) -> int:
-        return int(self.params.get("tokens_loaded", 0))
-
-    @property
-    def from_disk(self) -> int:
-        return int(self.delta.get(DISK_TOKENS_HIT, 0))
-
-
 def ask(llm: Any, doc: int) -> Asked:
     from vllm.inputs import TokensPrompt
 
-    before = kvferry_metrics(llm)
-    [out] = llm.generate(
-        [TokensPrompt(prompt_token_ids=DOCS[doc])], alone_sampling(), use_tqdm=False
-    )
-    after = kvferry_metrics(llm)
-    return Asked(
-        tokens=list(out.outputs[0].token_ids),
-        params=dict((out.kv_transfer_params or {}).get("kvferry") or {}),
-        delta={k: v - before.get(k, 0) for k, v in after.items()},
-    )
+    return ask_alone(llm, TokensPrompt(prompt_token_ids=DOCS[doc]))
 
 
 def start(model: Path, kvferry: dict[str, Any] | None, **overrides: Any) -> Any:

@@ -40,7 +40,14 @@ from kvferry.testing import (
     reset_engine_cache,
     wait_for_redis_chunks,
 )
-from tests.e2e._baselines import ALONE_DOCS, EAGER, alone_sampling
+from tests.e2e._baselines import (
+    ALONE_DOCS,
+    EAGER,
+    Asked,
+    alone_sampling,
+    ask_alone,
+    delta,
+)
 from tests.tiers.redis_servers import RedisServer, redis_available
 
 pytestmark = [
@@ -73,7 +80,6 @@ PROBES = 30
 """Requests at most, after the restart, until a write reaches the server again."""
 
 # Observables of the Redis tier (kvferry/_metrics.py).
-TOKENS_HIT = "vllm:kvferry_redis_tokens_hit"  # of the lookup hits, those read from Redis
 READ_BYTES = "vllm:kvferry_redis_read_bytes"
 WRITE_BYTES = "vllm:kvferry_redis_write_bytes"
 BLOCKS_WRITTEN = "vllm:kvferry_redis_blocks_written"
@@ -111,37 +117,8 @@ def prompt(doc: int, salt: str | None = None) -> Any:
     return p
 
 
-@attrs.frozen(kw_only=True)
-class Asked:
-    """One request, asked alone."""
-
-    tokens: list[int]
-    params: dict[str, Any]
-    """Its ``kv_transfer_params["kvferry"]``."""
-    delta: dict[str, float]
-    """kvferry's metrics after it minus before it."""
-
-    @property
-    def loaded(self) -> int:
-        return int(self.params.get("tokens_loaded", 0))
-
-    @property
-    def from_redis(self) -> int:
-        return int(self.delta.get(TOKENS_HIT, 0))
-
-
-def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    return {k: v - before.get(k, 0) for k, v in after.items()}
-
-
 def ask(llm: Any, doc: int, salt: str | None = None) -> Asked:
-    before = kvferry_metrics(llm)
-    [out] = llm.generate([prompt(doc, salt)], alone_sampling(), use_tqdm=False)
-    return Asked(
-        tokens=list(out.outputs[0].token_ids),
-        params=dict((out.kv_transfer_params or {}).get("kvferry") or {}),
-        delta=delta(before, kvferry_metrics(llm)),
-    )
+    return ask_alone(llm, prompt(doc, salt))
 
 
 def start(model: Path, kvferry: dict[str, Any] | None) -> Any:
