@@ -18,14 +18,22 @@ submission to the end of the last job (``torch.cuda.synchronize``):
 
 - ``dma``: the limit — one contiguous pinned copy of the same bytes, one way; ``dma2``
   both ways at once on two streams;
-- ``kvferry``: :class:`~kvferry.transfer.CudaCopyEngine`, jobs one by one through
-  ``submit(job)`` and as one step batch through ``submit_batch(jobs)``; stores and loads
-  at once (``both``, half the bytes each way) against ``dma2``;
+- kvferry's default (staged) path: :class:`~kvferry.transfer.CudaCopyEngine`, jobs one by
+  one through ``submit(job)`` (``*_each``) and as one step batch through
+  ``submit_batch(jobs)`` (``*_batch``); stores and loads at once (``both``, half the
+  bytes each way) against ``dma2``;
+- the direct path (``direct_*``; ``*_p1`` / ``*_p8`` with ``row_programs`` capped);
 - ``native``: vLLM 0.32's way, one ``cuMemcpyBatchAsync`` per job of every (block,
-  layer, K/V) page (through ``cuda.bindings``, where importable).
+  layer, K/V) page (through ``cuda.bindings``, where importable; its arguments are built
+  before the timing, as vLLM builds them in C++).
 
-``submit_us_per_job`` is the calling thread's time inside the submissions of a step
-batch, divided by the jobs. Trials alternate the configurations; figures are medians.
+``submit_us_per_batch`` / ``_per_job`` is the calling thread's time inside the
+submissions of a step batch (``direct_submit_us_per_batch`` on the direct path). Trials
+alternate the configurations; figures are medians.
+
+Compute beside copies: a chain of 8192^3 bf16 matrix products on a compute stream,
+alone and while rounds of step batches run, for each path (``compute_slowdown_*``, and
+``copy_under_compute_*`` the copies' rate beside it over their rate alone).
 
 The embedding API: ``kvferry.Ferry`` on an asyncio loop with the 32k KV cache, 64
 concurrent ``store`` calls of 16 blocks then 64 concurrent ``load`` calls, while a task
@@ -34,6 +42,15 @@ ticks every 1 ms and records its lag (``ferry_loop_lag_ms_p99`` / ``_max``).
 ``pinned_pool_s_32g``: seconds to allocate and pin a 32 GiB host pool
 (:class:`~kvferry.transfer.HostPool`, ``pin=True``), when the machine has the memory;
 ``_huge`` / ``_small`` with transparent huge pages forced on / off.
+
+Measured on an H200 (PCIe gen 5 x16; DMA 55 GB/s each way, 100 GB/s both ways), one
+run: staged store / load 0.96 / 0.97 of DMA at 32 KiB pages and 0.83 / 0.86 with step
+batches at 4 KiB (vLLM's way: 1.02x / 0.99x and 5.6x / 6.3x of it); both ways at once
+0.77 / 0.54 of the two-way limit; direct 0.94 / 0.91 and 0.87 / 0.82; matrix products
+beside the copies 1.03x as long (staged), 3.9x (direct), 2.1x (direct, one program per
+page); ``Ferry``'s loop lag 1.76 ms at p99 (1.79 at worst), its stores and loads 0.86 /
+0.89 of DMA; a staged 2 GiB step batch held the calling thread 23 ms (about 190 µs a
+16 MiB piece), a direct one 0.6 ms.
 """
 
 from __future__ import annotations
@@ -43,6 +60,7 @@ import json
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -67,6 +85,9 @@ BLOCK_TOKENS = 16
 JOBS = 64
 BLOCKS_PER_JOB = 16
 QUICK = "--quick" in sys.argv
+PROGRAM_CAPS = (1, 8)
+"""Caps on the direct kernel's programs along the rows (``row_programs``), measured beside
+the default: how few multiprocessors' worth of programs still fill the link."""
 TRIALS = 3 if QUICK else 7
 
 
@@ -133,11 +154,20 @@ class Native:
         self.driver = driver
         self.templates = [PageTemplate.of(g, max_page_bytes=1 << 40) for g in layout.groups]
         self.pool = pool
-        attr = driver.CUmemcpyAttributes()
-        attr.srcAccessOrder = driver.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
-        self.attr = attr
+        # as vLLM: a store's source in stream order, a load's (host memory) in any order
+        order = driver.CUmemcpySrcAccessOrder
+        self.attrs = {}
+        for direction, access in (
+            ("store", order.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM),
+            ("load", order.CU_MEMCPY_SRC_ACCESS_ORDER_ANY),
+        ):
+            attr = driver.CUmemcpyAttributes()
+            attr.srcAccessOrder = access
+            self.attrs[direction] = attr
 
-    def submit(self, job: CopyJob, stream: Any) -> None:
+    def prepare(self, job: CopyJob) -> list[Any]:
+        """The call's arguments for ``job`` (vLLM builds them in C++ from tensors of
+        pointers: built here before the timing, only the call is timed)."""
         t = self.templates[0]
         part = job.parts[0]
         dev = (t.dev_offset + part.device_blocks[:, None] * t.block_stride).ravel()
@@ -147,13 +177,19 @@ class Native:
         ).ravel()
         sizes = np.broadcast_to(t.nbytes, (len(part.device_blocks), len(t))).ravel()
         src, dst = (dev, host) if job.direction == "store" else (host, dev)
-        n = len(sizes)
-        args = [dst.tolist(), src.tolist(), sizes.tolist(), n, [self.attr], [0], 1]
-        handle = stream.cuda_stream
-        try:
-            result = self.driver.cuMemcpyBatchAsync(*args, handle)  # CUDA 13
-        except TypeError:
-            result = self.driver.cuMemcpyBatchAsync(*args[:6], [0], 1, handle)  # 12.8 failIdx
+        ptr = self.driver.CUdeviceptr
+        return [
+            [ptr(int(a)) for a in dst],
+            [ptr(int(a)) for a in src],
+            [int(n) for n in sizes],
+            len(sizes),
+            [self.attrs[job.direction]],
+            [0],
+            1,
+        ]
+
+    def submit(self, args: list[Any], stream: Any) -> None:
+        result = self.driver.cuMemcpyBatchAsync(*args, stream.cuda_stream)  # CUDA 13
         err = result[0] if isinstance(result, tuple) else result
         if int(err) != 0:
             raise RuntimeError(f"cuMemcpyBatchAsync: {err}")
@@ -168,7 +204,8 @@ def measure_shape(shape: str, figures: dict[str, Any]) -> list[tuple[str, str, f
     layout = describe_kv_caches(kv, [list(kv)], num_blocks)
     num_rows = 2 * JOBS * BLOCKS_PER_JOB
     pool = HostPool(num_slots=num_rows, blocks_per_chunk=1, row_bytes=layout.row_bytes, pin=True)
-    engine = CudaCopyEngine(layout, pool)
+    engine = CudaCopyEngine(layout, pool)  # the default path: staged
+    direct = CudaCopyEngine(layout, pool, path="direct")
     nbytes = JOBS * BLOCKS_PER_JOB * layout.row_bytes
     dev_buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dev_buf2 = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
@@ -183,6 +220,7 @@ def measure_shape(shape: str, figures: dict[str, Any]) -> list[tuple[str, str, f
         native = None
     res: dict[str, list[float]] = {}
     submit_us: list[float] = []
+    print(f"[{shape}] default path: {engine.path}", flush=True)
 
     def add(key: str, seconds: float, moved: int = nbytes) -> None:
         res.setdefault(key, []).append(moved / seconds / 1e9)
@@ -200,12 +238,30 @@ def measure_shape(shape: str, figures: dict[str, Any]) -> list[tuple[str, str, f
     def batch(jobs: list[CopyJob]) -> None:
         t0 = time.perf_counter()
         engine.submit_batch(jobs)
-        submit_us.append((time.perf_counter() - t0) * 1e6 / len(jobs))
+        submit_us.append((time.perf_counter() - t0) * 1e6)
 
-    def natively(jobs: list[CopyJob]) -> None:
-        stream = torch.cuda.current_stream()
-        for j in jobs:
-            native.submit(j, stream)  # type: ignore[union-attr]
+    native_stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+
+    def direct_batch(jobs: list[CopyJob]) -> None:
+        t0 = time.perf_counter()
+        direct.submit_batch(jobs)
+        direct_us.append((time.perf_counter() - t0) * 1e6)
+
+    direct_us: list[float] = []
+
+    def natively(args: list[list[Any]]) -> None:
+        # a stream of its own: the batched copy refuses the legacy default stream
+        for a in args:
+            native.submit(a, native_stream)  # type: ignore[union-attr]
+
+    def capped(jobs: list[CopyJob], programs: int) -> None:
+        direct.row_programs = programs
+        try:
+            direct.submit_batch(jobs)
+        finally:
+            direct.row_programs = default_programs
+
+    default_programs = direct.row_programs
 
     half = JOBS // 2
     for trial in range(TRIALS):
@@ -219,10 +275,23 @@ def measure_shape(shape: str, figures: dict[str, Any]) -> list[tuple[str, str, f
         add("store_batch", timed(lambda: batch(stores)))  # noqa: B023
         add("load_batch", timed(lambda: batch(loads)))  # noqa: B023
         add("both", timed(lambda: batch(stores[:half] + loads[:half])))  # noqa: B023
+        add("direct_store_batch", timed(lambda: direct_batch(stores)))  # noqa: B023
+        add("direct_load_batch", timed(lambda: direct_batch(loads)))  # noqa: B023
+        add("direct_both", timed(lambda: direct.submit_batch(stores[:half] + loads[:half])))  # noqa: B023
+        for programs in PROGRAM_CAPS:
+            add(f"store_p{programs}", timed(lambda: capped(stores, programs)))  # noqa: B023
+            add(f"load_p{programs}", timed(lambda: capped(loads, programs)))  # noqa: B023
         if native is not None:
-            add("native_store", timed(lambda: natively(stores)))  # noqa: B023
-            add("native_load", timed(lambda: natively(loads)))  # noqa: B023
+            s_args = [native.prepare(j) for j in stores]
+            l_args = [native.prepare(j) for j in loads]
+            try:
+                add("native_store", timed(lambda: natively(s_args)))  # noqa: B023
+                add("native_load", timed(lambda: natively(l_args)))  # noqa: B023
+            except Exception as exc:  # a driver refusing the call: no baseline
+                print(f"[{shape}] vLLM's way failed: {exc!r}")
+                native = None
     engine.close()
+    direct.close()
     med = {k: statistics.median(v) for k, v in res.items()}
     # a direction's figure is its better way: one by one, or as a step batch
     best = {d: max(med[f"{d}_each"], med[f"{d}_batch"]) for d in ("store", "load")}
@@ -234,12 +303,27 @@ def measure_shape(shape: str, figures: dict[str, Any]) -> list[tuple[str, str, f
     for d in ("store", "load"):
         nat = med.get(f"native_{d}")
         figures[f"{d}_vs_native_{shape}"] = round(best[d] / nat, 3) if nat else None
-    figures[f"submit_us_per_job_{shape}"] = round(statistics.median(submit_us), 2)
+    per_batch = statistics.median(submit_us)
+    figures[f"submit_us_per_batch_{shape}"] = round(per_batch, 1)
+    figures[f"submit_us_per_job_{shape}"] = round(per_batch / JOBS, 2)
+    figures[f"direct_submit_us_per_batch_{shape}"] = round(statistics.median(direct_us), 1)
+    figures[f"direct_store_vs_dma_{shape}"] = round(med["direct_store_batch"] / med["dma_store"], 3)
+    figures[f"direct_load_vs_dma_{shape}"] = round(med["direct_load_batch"] / med["dma_load"], 3)
+    figures[f"direct_both_vs_dma_{shape}"] = round(med["direct_both"] / med["dma2"], 3)
+    for programs in PROGRAM_CAPS:
+        for d in ("store", "load"):
+            figures[f"direct_{d}_p{programs}_vs_dma_{shape}"] = round(
+                med[f"{d}_p{programs}"] / med[f"dma_{d}"], 3
+            )
     return [(shape, key, med[key]) for key in sorted(med)]
 
 
 def run_cuda() -> dict[str, Any]:
-    figures: dict[str, Any] = {}
+    from kvferry.transfer._cuda import _batch_copy
+
+    # the staged path's DMA: one driver call per piece, or (without one) a copy per run
+    figures: dict[str, Any] = {"batched_copy": _batch_copy() is not None}
+    print(f"batched copy (cuMemcpyBatchAsync): {figures['batched_copy']}")
     rows_out = []
     for shape in SHAPES:
         rows_out += measure_shape(shape, figures)
@@ -247,9 +331,105 @@ def run_cuda() -> dict[str, Any]:
     print(f"{'shape':6} {'configuration':14} {'GB/s':>8}")
     for shape, key, gbps in rows_out:
         print(f"{shape:6} {key:14} {gbps:8.2f}")
-    figures.update(ferry_lag())
-    figures.update(pinned_pools(32 << 30))
+    print(json.dumps(figures), flush=True)
+    for part in (compute_interference, ferry_lag, lambda: pinned_pools(32 << 30)):
+        try:
+            figures.update(part())
+        except Exception as exc:  # one part failing still reports the others
+            traceback.print_exc()
+            figures[f"error_{getattr(part, '__name__', 'pinned_pools')}"] = repr(exc)[:200]
     return figures
+
+
+def compute_interference() -> dict[str, Any]:
+    """What copies cost the engine's compute, and compute the copies: a chain of 8192^3
+    bf16 matrix products on a compute stream, alone and while rounds of step batches
+    (32k shape, stores and loads at once) run, for each path; and the copies alone.
+
+    ``compute_slowdown_<path>`` is the products' time with copies over their time alone
+    (CUDA events on the compute stream); ``copy_under_compute_<path>`` the copies' rate
+    with the products over their rate alone.
+    """
+    n = 8192
+    g = torch.Generator(device="cuda").manual_seed(3)
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16, generator=g)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16, generator=g)
+    c = torch.empty_like(a)
+    compute = torch.cuda.Stream()
+    num_blocks = 2 * JOBS * BLOCKS_PER_JOB
+    kv = kv_caches("32k", num_blocks, "cuda")
+    for t in kv.values():
+        t.normal_()
+    layout = describe_kv_caches(kv, [list(kv)], num_blocks)
+    pool = HostPool(num_slots=num_blocks, blocks_per_chunk=1, row_bytes=layout.row_bytes, pin=True)
+    engines = {
+        "staged": CudaCopyEngine(layout, pool),
+        "direct": CudaCopyEngine(layout, pool, path="direct"),
+        "direct_p1": CudaCopyEngine(layout, pool, path="direct", row_programs=1),
+    }
+    half = JOBS // 2
+    rounds = 4 if QUICK else 8
+    batches = [
+        make_jobs("store", num_blocks, num_blocks, 300 + r)[:half]
+        + make_jobs("load", num_blocks, num_blocks, 400 + r, first_id=1000)[:half]
+        for r in range(rounds)
+    ]
+    moved = rounds * JOBS * BLOCKS_PER_JOB * layout.row_bytes
+
+    def products(k: int) -> tuple[Any, Any]:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(compute):
+            start.record()
+            for _ in range(k):
+                torch.mm(a, b, out=c)
+            end.record()
+        return start, end
+
+    def copies(engine: CudaCopyEngine) -> float:
+        t0 = time.perf_counter()
+        done = [c for jobs in batches for c in engine.submit_batch(jobs)]
+        for d in done:
+            d.synchronize()
+        return time.perf_counter() - t0
+
+    # as many products as take about as long as the copies
+    torch.cuda.synchronize()
+    s0, e0 = products(20)
+    torch.cuda.synchronize()
+    per_product = s0.elapsed_time(e0) / 20
+    copy_alone = {name: [] for name in engines}  # type: dict[str, list[float]]
+    for name, engine in engines.items():
+        copies(engine)  # warm
+        copy_alone[name].append(copies(engine))
+    k = max(10, int(max(min(v) for v in copy_alone.values()) * 1e3 / per_product * 1.5))
+    alone: list[float] = []
+    with_copies: dict[str, list[float]] = {name: [] for name in engines}
+    under: dict[str, list[float]] = {name: [] for name in engines}
+    for _ in range(2 if QUICK else 3):
+        torch.cuda.synchronize()
+        s1, e1 = products(k)
+        torch.cuda.synchronize()
+        alone.append(s1.elapsed_time(e1))
+        for name, engine in engines.items():
+            copy_alone[name].append(copies(engine))
+            torch.cuda.synchronize()
+            s2, e2 = products(k)
+            under[name].append(copies(engine))
+            torch.cuda.synchronize()
+            with_copies[name].append(s2.elapsed_time(e2))
+    for engine in engines.values():
+        engine.close()
+    base = statistics.median(alone)
+    out: dict[str, Any] = {"compute_products": k, "compute_alone_ms": round(base, 1)}
+    print(f"{'path':12} {'copy GB/s alone':>16} {'under compute':>14} {'compute slowdown':>17}")
+    for name in engines:
+        ca = statistics.median(copy_alone[name])
+        cu = statistics.median(under[name])
+        slow = statistics.median(with_copies[name]) / base
+        print(f"{name:12} {moved / ca / 1e9:16.2f} {moved / cu / 1e9:14.2f} {slow:17.3f}")
+        out[f"compute_slowdown_{name}"] = round(slow, 3)
+        out[f"copy_under_compute_{name}"] = round(ca / cu, 3)
+    return out
 
 
 def ferry_lag() -> dict[str, Any]:
@@ -312,9 +492,7 @@ def pinned_pools(nbytes: int) -> dict[str, float | None]:
     return {
         "pinned_pool_s_32g": round(host_pool_seconds(nbytes, pin=True), 2),
         "pinned_pool_s_32g_huge": round(host_pool_seconds(nbytes, pin=True, huge_pages=True), 2),
-        "pinned_pool_s_32g_small": round(
-            host_pool_seconds(nbytes, pin=True, huge_pages=False), 2
-        ),
+        "pinned_pool_s_32g_small": round(host_pool_seconds(nbytes, pin=True, huge_pages=False), 2),
     }
 
 

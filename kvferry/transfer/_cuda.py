@@ -1,23 +1,37 @@
 """The CUDA path of the copy engine: the only module that touches ``torch.cuda``.
 
 A step batch (every job of one direction that the engine step hands over) is planned
-with numpy (:mod:`._pages`): a page table in staging order, cut into pieces of one
-staging slot, and the runs of consecutive host rows of each piece. Per direction there
-are two streams, a *kernel* stream and a *DMA* stream, and a ring of staging slots in
-device memory. For each piece:
+with numpy (:mod:`._pages`) into a row table (a few words per engine block, whatever the
+number of layers), uploaded once per batch from a pinned buffer (torch's pinned
+allocator keeps it until the upload ran). Two paths (:data:`CopyPath`):
+
+**staged** (the default). The table is in staging order, cut into pieces of one staging
+slot, with the runs of consecutive host rows of each piece. Per direction there are two
+streams, a *kernel* stream and a *DMA* stream, and a ring of staging slots in device
+memory. For each piece:
 
 - store: the kernel stream gathers the piece's pages (one Triton launch,
-  :mod:`._triton`) into a slot; the DMA stream waits for that and copies each run of host
-  rows, one contiguous device→host copy per run, into the pinned host pool;
-- load: the DMA stream copies each run of host rows into a slot; the kernel stream waits
-  for that and scatters the slot into the engine's blocks (one launch).
+  :mod:`._triton`) into a slot; the DMA stream waits for that and copies the piece's runs
+  of host rows into the pinned host pool;
+- load: the DMA stream copies the runs into a slot; the kernel stream waits for that and
+  scatters the slot into the engine's blocks (one launch).
 
-So the gather of piece k+1 overlaps the DMA of piece k, and loads and stores run at once
-on their own streams (loads at the higher priority). A slot is reused only after its
-last use ended: the stream about to write it waits on that use's event — a device-side
-wait, so when the ring is full, later pieces are queued on the device and issued as
-slots free, and the calling thread never waits. The page table goes up once per batch,
-from a pinned buffer (torch's pinned allocator keeps it until the upload ran).
+A piece's runs go in one driver call (``cuMemcpyBatchAsync`` through ctypes, checked
+once on a probe copy; without it, one ``copy_`` per run). The gather of piece k+1
+overlaps the DMA of piece k, and loads and stores run at once on their own streams
+(loads at the higher priority). A slot is reused only after its last use ended: the
+stream about to write it waits on that use's event — a device-side wait, so when the
+ring is full, later pieces are queued on the device and issued as slots free, and the
+calling thread never waits. The host link is crossed by the copy engines, so the
+multiprocessors are busy only for the gathers and scatters, at device-memory speed.
+
+**direct**. One launch for the whole batch: the kernel reads and writes the host rows
+themselves (pinned memory is mapped into the device's address space), with no staging
+memory and no DMA. It needs the least CPU per batch and reaches the link at small pages,
+but its programs hold multiprocessors while they wait on the link: measured on an H200,
+bf16 matrix products beside it ran 3.9x as long (2.1x with one program per page), beside
+staged copies 1.03x (``benchmarks/transfer_cuda.py``). So it is for hosts where copies
+rarely overlap compute.
 
 Ordering against the engine's compute: the caller captures a :class:`ComputeMark` on
 the thread that runs the engine's forward, inside the engine's call (vLLM runs each
@@ -38,14 +52,16 @@ logic runs on a CPU with the fakes of :mod:`kvferry.testing` (and the Triton ker
 ``TRITON_INTERPRET=1``).
 
 Who owns what: the engine is used from one thread (the transfer actors' loop); its
-staging slots are written only by its streams.
+staging slots are written only by its streams, and a batch's host rows only by its
+copies until its jobs ended.
 """
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import attrs
 import numpy as np
@@ -55,13 +71,34 @@ from .._errors import HostMemoryError
 from .._logging import get_logger
 from ._copy import Completion, CopyJob, Direction, EndedCompletion, job_bytes
 from ._layout import KVLayout
-from ._pages import BatchPlan, PageTemplate, Templates, element_bytes, plan_batch, row_table
-from ._plan import check_job
+from ._pages import (
+    I64,
+    BatchPlan,
+    PageTemplate,
+    Templates,
+    element_bytes,
+    plan_batch,
+    plan_rows,
+    row_table,
+)
+from ._plan import check_batch, check_job
 from ._pool import HostPool
 
 DEFAULT_STAGING_BYTES = 64 << 20
 """Device memory for staging, per direction, split into :data:`DEFAULT_RING_SLOTS` slots."""
 DEFAULT_RING_SLOTS = 4
+
+MAX_ROW_PROGRAMS = 1024
+"""The kernel's default cap on programs along the rows of one launch (each program then
+loops over its share of rows); the same as :data:`kvferry.transfer._triton.MAX_ROW_PROGRAMS`,
+named here so that the engine's module needs no Triton to import."""
+
+
+CopyPath = Literal["staged", "direct"]
+"""How a batch crosses the host link: ``staged`` (the default: a short kernel between the
+engine's blocks and a device staging ring, the DMA engines between the ring and host
+memory) or ``direct`` (one kernel reads and writes the pinned host rows themselves, over
+the link); see the module docstring for what each costs."""
 
 
 class DeviceOps(Protocol):
@@ -84,11 +121,20 @@ class DeviceOps(Protocol):
     def pinned(self, n: int) -> torch.Tensor:
         """A pinned int64 host buffer of ``n`` elements."""
 
+    def host_accessible(self, host: torch.Tensor) -> bool:
+        """Whether a kernel can read and write ``host`` at its own address (page-locked
+        memory mapped into the device's address space): the direct path needs it."""
+
     def upload(self, host: torch.Tensor) -> torch.Tensor:
         """``host`` (pinned) copied to the device on the current stream, without waiting."""
 
     def memcpy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """A contiguous copy (host↔device) on the current stream, without waiting."""
+
+    def memcpy_batch(self, dsts: I64, srcs: I64, sizes: I64, stream: Any) -> bool:
+        """The copies ``sizes[i]`` bytes ``srcs[i]`` → ``dsts[i]`` (raw addresses, host or
+        device) on ``stream`` in one call, without waiting; False (nothing enqueued)
+        where the device has no such call (the engine then copies run by run)."""
 
     def copy_rows(
         self,
@@ -100,9 +146,11 @@ class DeviceOps(Protocol):
         max_pages: int,
         elem_bytes: int,
         to_device: bool,
+        row_programs: int,
     ) -> None:
         """One kernel launch on the current stream: every page of rows ``lo:hi`` of the
-        row table (see :func:`kvferry.transfer._triton.copy_rows`)."""
+        row table, at most ``row_programs`` programs along the rows (see
+        :func:`kvferry.transfer._triton.copy_rows`)."""
 
 
 class TorchCudaOps:
@@ -131,11 +179,21 @@ class TorchCudaOps:
     def pinned(self, n: int) -> torch.Tensor:
         return torch.empty(n, dtype=torch.int64, pin_memory=True)
 
+    def host_accessible(self, host: torch.Tensor) -> bool:
+        return bool(host.is_pinned()) and _host_pointer_usable(self.device)
+
     def upload(self, host: torch.Tensor) -> torch.Tensor:
         return host.to(self.device, non_blocking=True)
 
     def memcpy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src, non_blocking=True)
+
+    def memcpy_batch(self, dsts: I64, srcs: I64, sizes: I64, stream: Any) -> bool:
+        batch = _batch_copy()
+        if batch is None:
+            return False
+        batch.copy(dsts, srcs, sizes, stream.cuda_stream)
+        return True
 
     def copy_rows(
         self,
@@ -147,10 +205,11 @@ class TorchCudaOps:
         max_pages: int,
         elem_bytes: int,
         to_device: bool,
+        row_programs: int,
     ) -> None:
         from ._triton import copy_rows
 
-        copy_rows(rows, lo, hi, num_rows, templates, max_pages, elem_bytes, to_device)
+        copy_rows(rows, lo, hi, num_rows, templates, max_pages, elem_bytes, to_device, row_programs)
 
 
 @attrs.frozen
@@ -237,10 +296,14 @@ class _Lane:
 
 
 class CudaCopyEngine:
-    """Streams, a staging ring and events for one device; see the module docstring.
+    """Streams and events for one device (and, on the staged path, a staging ring); see
+    the module docstring.
 
-    ``staging_bytes`` of device memory per direction, split into ``ring_slots`` slots (at
-    least one host row each). ``ops`` replaces the device (tests pass fakes).
+    ``path`` picks how batches cross the host link (:data:`CopyPath`). ``row_programs``
+    caps the kernel's programs along the rows of a launch (fewer: fewer of the device's
+    multiprocessors busy with a copy at once). On the staged path, ``staging_bytes`` of
+    device memory per direction, split into ``ring_slots`` slots (at least one host row
+    each). ``ops`` replaces the device (tests pass fakes).
     """
 
     def __init__(
@@ -248,18 +311,31 @@ class CudaCopyEngine:
         layout: KVLayout,
         pool: HostPool,
         *,
+        path: CopyPath = "staged",
         staging_bytes: int = DEFAULT_STAGING_BYTES,
         ring_slots: int = DEFAULT_RING_SLOTS,
+        row_programs: int = MAX_ROW_PROGRAMS,
         ops: DeviceOps | None = None,
     ) -> None:
         if ring_slots < 1:
             raise ValueError(f"ring_slots must be >= 1, got {ring_slots}")
+        if row_programs < 1:
+            raise ValueError(f"row_programs must be >= 1, got {row_programs}")
+        if path not in ("staged", "direct"):
+            raise ValueError(f"path must be 'staged' or 'direct', got {path!r}")
         if ops is None:
             ops = TorchCudaOps(layout.device)
             if not pool.rows.is_pinned():
                 get_logger("kvferry.transfer").warning(
                     "host_pool_not_pinned", hint="copies will be synchronous and slow"
                 )
+        if path == "direct" and not ops.host_accessible(pool.rows):
+            raise ValueError(
+                "path='direct' needs a host pool the device can reach (a pinned pool, "
+                "HostPool(pin=True), on a device that maps registered host memory)"
+            )
+        self.path: CopyPath = path
+        self.row_programs = row_programs
         self.layout = layout
         self.pool = pool
         self.ops = ops
@@ -298,7 +374,11 @@ class CudaCopyEngine:
         if lane is None:
             ops = self.ops
             rows = self.slot_rows * self.ring_slots
-            ring = torch.empty((rows, self.pool.row_bytes), dtype=torch.uint8, device=ops.device)
+            ring = (  # the direct path needs no staging memory
+                torch.empty((rows, self.pool.row_bytes), dtype=torch.uint8, device=ops.device)
+                if self.path == "staged"
+                else None
+            )
             kernel = ops.new_stream(direction)
             pinned = ops.pinned(self._templates.table.size)
             pinned.numpy()[:] = self._templates.table.ravel()
@@ -306,8 +386,10 @@ class CudaCopyEngine:
                 templates = ops.upload(pinned)
             lane = _Lane(
                 kernel=kernel,
-                dma=ops.new_stream(direction),
-                slots=[ring[i : i + self.slot_rows] for i in range(0, rows, self.slot_rows)],
+                dma=ops.new_stream(direction) if ring is not None else kernel,
+                slots=[]
+                if ring is None
+                else [ring[i : i + self.slot_rows] for i in range(0, rows, self.slot_rows)],
                 free=[None] * self.ring_slots,
                 templates=templates,
             )
@@ -333,13 +415,12 @@ class CudaCopyEngine:
         """
         out: list[Completion | None] = [None] * len(jobs)
         by_direction: dict[Direction, list[int]] = {}
-        for i, job in enumerate(jobs):
-            try:
-                check_job(self.layout, job, self.pool.rows.shape[0], self.pool.row_bytes)
-            except (IndexError, ValueError) as exc:
-                out[i] = EndedCompletion(exc)
-                continue
-            by_direction.setdefault(job.direction, []).append(i)
+        errors = check_batch(self.layout, jobs, self.pool.rows.shape[0], self.pool.row_bytes)
+        for i, (job, error) in enumerate(zip(jobs, errors, strict=True)):
+            if error is not None:
+                out[i] = EndedCompletion(error)
+            else:
+                by_direction.setdefault(job.direction, []).append(i)
         if by_direction:
             mark = compute if compute is not None else self.capture_compute()
             order: tuple[Direction, ...] = ("load", "store")  # loads first: a request waits
@@ -351,9 +432,55 @@ class CudaCopyEngine:
                         out[i] = completion
         return [c for c in out if c is not None]
 
+    def _direct(
+        self, direction: Direction, jobs: list[CopyJob], mark: ComputeMark
+    ) -> list[Completion]:
+        """The direct path: one upload and one launch for the whole batch, on the lane's
+        stream after the mark; the kernel reads and writes the host rows themselves."""
+        ops = self.ops
+        plan = plan_rows(jobs)
+        self._counts["batches"] += 1
+        self._counts["jobs"] += len(jobs)
+        if plan.num_rows == 0:
+            return [EndedCompletion(None) for _ in jobs]
+        lane = self._lane(direction)
+        stream = lane.kernel
+        error: BaseException | None = None
+        try:
+            pinned = ops.pinned(4 * plan.num_rows)
+            row_table(
+                plan,
+                self._templates,
+                None,
+                self.pool.row_bytes,
+                pinned.numpy(),
+                host_base=self.pool.rows.data_ptr(),
+            )
+            stream.wait_event(mark.event)
+            with ops.use_stream(stream):
+                table = ops.upload(pinned)
+                self._counts["table_uploads"] += 1
+                self._launch(lane, table, plan, 0, direction == "load")
+                ended = ops.new_event()
+                ended.record(stream)
+            self._counts["pieces"] += 1
+        except Exception as exc:  # part may be enqueued: the jobs end only after it
+            error = exc
+            get_logger("kvferry.transfer").error(
+                "batch_submit_failed", direction=direction, jobs=len(jobs), exc_info=exc
+            )
+            ended = ops.new_event()
+            ended.record(stream)
+        return [
+            EndedCompletion(None) if j < 0 else EventCompletion(ended, mark.stream, error)
+            for j in plan.job_piece.tolist()
+        ]
+
     def _batch(
         self, direction: Direction, jobs: list[CopyJob], mark: ComputeMark
     ) -> list[Completion]:
+        if self.path == "direct":
+            return self._direct(direction, jobs, mark)
         ops = self.ops
         plan = plan_batch(jobs, self.slot_rows)
         self._counts["batches"] += 1
@@ -375,32 +502,33 @@ class CudaCopyEngine:
             # The copy that writes the engine's blocks (load: the scatter) or reads them
             # (store: the gather) is the one ordered after the compute.
             lane.kernel.wait_event(mark.event)
+            # Launches go on the current stream, which is the kernel stream throughout;
+            # DMAs and events name their stream (one context switch per batch, not four
+            # per piece).
             with ops.use_stream(lane.kernel):
                 rows_table = ops.upload(pinned)
-            self._counts["table_uploads"] += 1
-            for k in range(plan.num_pieces):
-                s = int(slot_ids[k])
-                slot = lane.slots[s]
-                if lane.free[s] is not None:
-                    first.wait_event(lane.free[s])
-                with ops.use_stream(first):
+                self._counts["table_uploads"] += 1
+                for k in range(plan.num_pieces):
+                    s = int(slot_ids[k])
+                    slot = lane.slots[s]
+                    if lane.free[s] is not None:
+                        first.wait_event(lane.free[s])
                     if load:
-                        self._dma(plan, k, slot, host, to_slot=True)
+                        self._dma(plan, k, slot, host, first, to_slot=True)
                     else:
                         self._launch(lane, rows_table, plan, k, load)
                     handed = ops.new_event()
                     handed.record(first)
-                second.wait_event(handed)
-                with ops.use_stream(second):
+                    second.wait_event(handed)
                     if load:
                         self._launch(lane, rows_table, plan, k, load)
                     else:
-                        self._dma(plan, k, slot, host, to_slot=False)
+                        self._dma(plan, k, slot, host, second, to_slot=False)
                     ended = ops.new_event()
                     ended.record(second)
-                lane.free[s] = ended
-                piece_events.append(ended)
-                self._counts["pieces"] += 1
+                    lane.free[s] = ended
+                    piece_events.append(ended)
+                    self._counts["pieces"] += 1
         except Exception as exc:  # part may be enqueued: those jobs end only after it
             error = exc
             get_logger("kvferry.transfer").error(
@@ -437,32 +565,126 @@ class CudaCopyEngine:
             self._templates.max_pages,
             self._elem,
             to_device,
+            self.row_programs,
         )
         self._counts["kernel_launches"] += 1
 
     def _dma(
-        self, plan: Any, k: int, slot: torch.Tensor, host: torch.Tensor, *, to_slot: bool
+        self,
+        plan: BatchPlan,
+        k: int,
+        slot: torch.Tensor,
+        host: torch.Tensor,
+        stream: Any,
+        *,
+        to_slot: bool,
     ) -> None:
         a, b = int(plan.run_bounds[k]), int(plan.run_bounds[k + 1])
         base = k * plan.slot_rows
+        row = self.pool.row_bytes
+        host_at = host.data_ptr() + plan.runs_host[a:b] * row
+        slot_at = slot.data_ptr() + (plan.runs_pos[a:b] - base) * row
+        sizes = plan.runs_len[a:b] * row
+        dsts, srcs = (slot_at, host_at) if to_slot else (host_at, slot_at)
+        if self.ops.memcpy_batch(dsts, srcs, sizes, stream):  # one driver call a piece
+            self._counts["dma_copies"] += b - a
+            return
         runs = zip(
             plan.runs_host[a:b].tolist(),
             plan.runs_pos[a:b].tolist(),
             plan.runs_len[a:b].tolist(),
             strict=True,
         )
-        for h0, p0, n in runs:
-            i0 = p0 - base
-            if to_slot:
-                self.ops.memcpy(slot[i0 : i0 + n], host[h0 : h0 + n])
-            else:
-                self.ops.memcpy(host[h0 : h0 + n], slot[i0 : i0 + n])
+        with self.ops.use_stream(stream):  # run by run, on the current stream
+            for h0, p0, n in runs:
+                i0 = p0 - base
+                if to_slot:
+                    self.ops.memcpy(slot[i0 : i0 + n], host[h0 : h0 + n])
+                else:
+                    self.ops.memcpy(host[h0 : h0 + n], slot[i0 : i0 + n])
         self._counts["dma_copies"] += b - a
 
     def close(self) -> None:
         for lane in self._lanes.values():
             lane.kernel.synchronize()
             lane.dma.synchronize()
+
+
+class _BatchCopy:
+    """The driver's batched copy (``cuMemcpyBatchAsync``, CUDA 12.8 and newer) called
+    through ctypes with numpy arrays: one call for all of a piece's runs, whatever their
+    number, where a ``copy_`` per run costs several microseconds each."""
+
+    class _Attributes(ctypes.Structure):
+        # CUmemcpyAttributes: srcAccessOrder, srcLocHint {type, id}, dstLocHint, flags
+        _fields_ = [
+            ("src_access_order", ctypes.c_int),
+            ("src_type", ctypes.c_int),
+            ("src_id", ctypes.c_int),
+            ("dst_type", ctypes.c_int),
+            ("dst_id", ctypes.c_int),
+            ("flags", ctypes.c_uint),
+        ]
+
+    _ORDER_STREAM = 1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+
+    def __init__(self, lib: Any) -> None:
+        fn = getattr(lib, "cuMemcpyBatchAsync_v2", None)  # CUDA 13: no failIdx
+        self._fail_index = fn is None
+        if fn is None:
+            fn = lib.cuMemcpyBatchAsync  # CUDA 12.8-12.9: a failIdx before the stream
+        fn.restype = ctypes.c_int
+        self._fn = fn
+        self._attrs = self._Attributes(src_access_order=self._ORDER_STREAM)
+        self._attr_index = (ctypes.c_size_t * 1)(0)
+        self._failed_at = ctypes.c_size_t(0)
+
+    def copy(self, dsts: I64, srcs: I64, sizes: I64, stream: int) -> None:
+        d, s, n = (np.ascontiguousarray(a, dtype=np.uint64) for a in (dsts, srcs, sizes))
+        args: list[Any] = [
+            ctypes.c_void_p(d.ctypes.data),
+            ctypes.c_void_p(s.ctypes.data),
+            ctypes.c_void_p(n.ctypes.data),
+            ctypes.c_size_t(len(sizes)),
+            ctypes.byref(self._attrs),
+            self._attr_index,
+            ctypes.c_size_t(1),
+        ]
+        if self._fail_index:
+            args.append(ctypes.byref(self._failed_at))
+        err = self._fn(*args, ctypes.c_void_p(stream))
+        if err != 0:
+            raise RuntimeError(f"cuMemcpyBatchAsync failed with CUDA error {err}")
+
+
+_batch_copy_state: list[_BatchCopy | None] = []
+
+
+def _batch_copy() -> _BatchCopy | None:
+    """The driver's batched copy, once it copied a probe right (device memory to pinned
+    host memory, checked after a synchronize at first use); None where the driver has no
+    such call or it failed the probe."""
+    if not _batch_copy_state:
+        batch: _BatchCopy | None = None
+        try:
+            batch = _BatchCopy(ctypes.CDLL("libcuda.so.1"))
+            stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+            src = torch.arange(1 << 12, dtype=torch.int32, device="cuda")
+            dst = torch.zeros(1 << 12, dtype=torch.int32, pin_memory=True)
+            half = src.numel() * 2
+            address = np.array([dst.data_ptr() + half, dst.data_ptr()], dtype=np.int64)
+            source = np.array([src.data_ptr(), src.data_ptr() + half], dtype=np.int64)
+            stream.wait_stream(torch.cuda.current_stream())
+            batch.copy(address, source, np.array([half, half], dtype=np.int64), stream.cuda_stream)
+            stream.synchronize()
+            want = torch.cat((src[src.numel() // 2 :], src[: src.numel() // 2])).cpu()
+            if not torch.equal(dst, want):
+                raise RuntimeError("the batched copy moved the wrong bytes")
+        except Exception as exc:  # no such call, or not working here: copy run by run
+            get_logger("kvferry.transfer").warning("batched_copy_unavailable", error=repr(exc))
+            batch = None
+        _batch_copy_state.append(batch)
+    return _batch_copy_state[0]
 
 
 def register_host_memory(address: int, nbytes: int) -> None:
@@ -477,7 +699,8 @@ def register_host_memory(address: int, nbytes: int) -> None:
     if not torch.cuda.is_available():
         raise HostMemoryError("a pinned host pool needs a CUDA device, and there is none")
     cudart: Any = torch.cuda.cudart()  # type: ignore[no-untyped-call]
-    err = cudart.cudaHostRegister(address, nbytes, 0)  # cudaHostRegisterDefault
+    # portable (every context) and mapped (kernels reach it: the direct copy path)
+    err = cudart.cudaHostRegister(address, nbytes, 3)
     if int(err) != 0:
         raise HostMemoryError(
             f"could not pin a host pool of {nbytes} bytes (cudaHostRegister: "
@@ -492,3 +715,21 @@ def unregister_host_memory(address: int) -> None:
 
     cudart: Any = torch.cuda.cudart()  # type: ignore[no-untyped-call]
     cudart.cudaHostUnregister(address)
+
+
+def _host_pointer_usable(device: torch.device) -> bool:
+    """Whether ``device`` reaches registered host memory at its host address
+    (``cudaDevAttrCanUseHostPointerForRegisteredMem``), asked through ``cuda.bindings``
+    where it is installed (vLLM's CUDA build brings it); without it, assumed, as on every
+    64-bit Linux system with unified addressing."""
+    try:
+        from cuda.bindings import runtime
+    except ImportError:
+        return True
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    attr = runtime.cudaDeviceAttr.cudaDevAttrCanUseHostPointerForRegisteredMem
+    try:
+        err, value = runtime.cudaDeviceGetAttribute(attr, index)
+    except Exception:  # an older or newer binding's signature: the safe path
+        return False
+    return int(err) == 0 and bool(value)

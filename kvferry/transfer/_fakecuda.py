@@ -11,6 +11,7 @@ kernel in Triton's interpreter. It counts what the engine asked of the device.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -78,14 +79,24 @@ class FakeCudaDevice:
     """The device ops of :class:`~kvferry.transfer.CudaCopyEngine`, on CPU tensors.
 
     ``fire_events``: events complete when recorded (the ops already ran); otherwise the
-    test fires them (``events``). ``default_stream`` is every thread's current stream
-    until :meth:`current` sets another for the calling thread.
+    test fires them (``events``). ``reach_host``: whether kernels can reach host memory
+    (the interpreted kernel can: it runs on the CPU), which the direct path needs.
+    ``batched_copies``: whether the device has one call for many copies.
+    ``default_stream`` is every thread's current stream until :meth:`current` sets
+    another for the calling thread.
     """
 
     device = torch.device("cpu")
 
-    def __init__(self, *, fire_events: bool = True) -> None:
+    def __init__(
+        self, *, fire_events: bool = True, reach_host: bool = True, batched_copies: bool = True
+    ) -> None:
         self.fire_events = fire_events
+        self.batched_copies = batched_copies
+        self.memcpy_batches = 0
+        self.reach_host = reach_host
+        self.launch_programs: list[int] = []
+        """Per launch, its programs along the rows."""
         self.default_stream = FakeStream(name="default")
         self.streams: list[FakeStream] = []
         self.events: list[FakeCudaEvent] = []
@@ -114,6 +125,9 @@ class FakeCudaDevice:
     def pinned(self, n: int) -> torch.Tensor:
         return torch.empty(n, dtype=torch.int64)
 
+    def host_accessible(self, host: torch.Tensor) -> bool:
+        return self.reach_host
+
     def upload(self, host: torch.Tensor) -> torch.Tensor:
         self.uploads += 1
         return host.clone()
@@ -121,6 +135,17 @@ class FakeCudaDevice:
     def memcpy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         self.memcpys += 1
         dst.copy_(src)
+
+    def memcpy_batch(self, dsts: Any, srcs: Any, sizes: Any, stream: Any) -> bool:
+        """Each copy at once (raw addresses: CPU memory here), counted in ``memcpys``;
+        with ``batched_copies=False``, False (the engine copies run by run)."""
+        if not self.batched_copies:
+            return False
+        self.memcpy_batches += 1
+        for d, s, n in zip(dsts.tolist(), srcs.tolist(), sizes.tolist(), strict=True):
+            ctypes.memmove(d, s, n)
+            self.memcpys += 1
+        return True
 
     def copy_rows(
         self,
@@ -132,11 +157,13 @@ class FakeCudaDevice:
         max_pages: int,
         elem_bytes: int,
         to_device: bool,
+        row_programs: int,
     ) -> None:
         from ._triton import copy_rows
 
         self.kernel_launches += 1
-        copy_rows(rows, lo, hi, num_rows, templates, max_pages, elem_bytes, to_device)
+        self.launch_programs.append(max(1, min(hi - lo, row_programs)))
+        copy_rows(rows, lo, hi, num_rows, templates, max_pages, elem_bytes, to_device, row_programs)
 
     # -- for tests
     @contextlib.contextmanager

@@ -158,6 +158,38 @@ def plan_batch(jobs: Sequence[CopyJob], slot_rows: int) -> BatchPlan:
     )
 
 
+def plan_rows(jobs: Sequence[CopyJob]) -> BatchPlan:
+    """``jobs`` (already checked) as one piece in submission order, without runs: the
+    direct path's plan (its kernel reaches every host row itself, so neither the order of
+    host rows nor their runs matter)."""
+    parts = [(j, p) for j, job in enumerate(jobs) for p in job.parts]
+    empty = np.zeros(0, dtype=np.int64)
+    job_piece = np.full(len(jobs), -1, dtype=np.int64)
+    if parts:
+        lens = np.fromiter((len(p.device_blocks) for _, p in parts), np.int64, len(parts))
+        owners = np.fromiter((j for j, _ in parts), np.int64, len(parts))
+        job_piece[owners[lens > 0]] = 0
+        blocks = np.concatenate([p.device_blocks for _, p in parts])
+        rows = np.concatenate([p.host_rows for _, p in parts])
+        if len({p.group for _, p in parts}) == 1:
+            group = np.full(len(rows), parts[0][1].group, dtype=np.int64)
+        else:
+            group = np.repeat(np.fromiter((p.group for _, p in parts), np.int64, len(parts)), lens)
+    else:
+        blocks = rows = group = empty
+    return BatchPlan(
+        slot_rows=max(1, len(rows)),
+        host_rows=rows,
+        dev_blocks=blocks,
+        groups=group,
+        runs_host=empty,
+        runs_pos=empty,
+        runs_len=empty,
+        run_bounds=np.zeros(1, dtype=np.int64),
+        job_piece=job_piece,
+    )
+
+
 @attrs.frozen(kw_only=True)
 class Templates:
     """Every group's :class:`PageTemplate` in one ``(4, pages)`` int64 table (device
@@ -188,23 +220,40 @@ class Templates:
 
 
 def row_table(
-    plan: BatchPlan, templates: Templates, slot_bases: I64, row_stride: int, out: I64
+    plan: BatchPlan,
+    templates: Templates,
+    slot_bases: I64 | None,
+    row_stride: int,
+    out: I64,
+    *,
+    host_base: int | None = None,
 ) -> None:
     """Fill ``out`` (4 x rows int64, e.g. a pinned buffer) with the batch's rows in staging
-    order: ``[engine blocks | staging row addresses | template starts | page counts]``.
+    order: ``[engine blocks | row addresses | template starts | page counts]``.
 
-    ``slot_bases[k]`` is the device address of the staging slot piece ``k`` uses. The
-    kernel finds every page of a row from the row and its group's template, so the table
-    is a few words a row whatever the number of layers.
+    The row address is where the kernel reads or writes the row: with ``slot_bases``
+    (``slot_bases[k]`` the device address of the staging slot piece ``k`` uses), the row's
+    place in its slot; with ``host_base`` instead (the direct path), the host row itself,
+    ``host_base + host_row * row_stride``. The kernel finds every page of a row from the
+    row and its group's template, so the table is a few words a row whatever the number
+    of layers.
     """
     n = plan.num_rows
     if len(out) != 4 * n:
         raise ValueError(f"out holds {len(out)} entries, the row table needs {4 * n}")
-    pos = np.arange(n, dtype=np.int64)
     out[:n] = plan.dev_blocks
-    np.add(
-        slot_bases[pos // plan.slot_rows], (pos % plan.slot_rows) * row_stride, out=out[n : 2 * n]
-    )
+    if host_base is not None:
+        np.multiply(plan.host_rows, row_stride, out=out[n : 2 * n])
+        out[n : 2 * n] += host_base
+    elif slot_bases is not None:
+        pos = np.arange(n, dtype=np.int64)
+        np.add(
+            slot_bases[pos // plan.slot_rows],
+            (pos % plan.slot_rows) * row_stride,
+            out=out[n : 2 * n],
+        )
+    else:
+        raise ValueError("row_table needs slot_bases or host_base")
     if len(templates.count) == 1:
         out[2 * n : 3 * n] = templates.start[0]
         out[3 * n :] = templates.count[0]

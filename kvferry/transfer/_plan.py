@@ -13,6 +13,7 @@ byte moves (an out-of-range id raises :class:`IndexError`, it is never copied).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import attrs
@@ -58,6 +59,38 @@ def check_job(layout: KVLayout, job: CopyJob, num_rows: int, row_bytes: int) -> 
         blocks = part.device_blocks
         if len(blocks) and (blocks.min() < 0 or blocks.max() >= layout.num_blocks):
             raise IndexError(f"job {job.job_id}: engine blocks outside 0..{layout.num_blocks - 1}")
+
+
+def check_batch(
+    layout: KVLayout, jobs: Sequence[CopyJob], num_rows: int, row_bytes: int
+) -> list[Exception | None]:
+    """:func:`check_job` of every job of a batch, in a few numpy operations over the whole
+    batch when every job is good; job by job only to name what is wrong with a bad one.
+    One entry per job: ``None``, or the error :func:`check_job` raises."""
+    parts = [p for job in jobs for p in job.parts]
+    groups = layout.groups
+    good = all(0 <= p.group < len(groups) and groups[p.group].row_bytes <= row_bytes for p in parts)
+    if good and parts:
+        blocks = np.concatenate([p.device_blocks for p in parts])
+        rows = np.concatenate([p.host_rows for p in parts])
+        if len(blocks):
+            good = (
+                int(blocks.min()) >= 0
+                and int(blocks.max()) < layout.num_blocks
+                and int(rows.min()) >= 0
+                and int(rows.max()) < num_rows
+            )
+    if good:
+        return [None] * len(jobs)
+    errors: list[Exception | None] = []
+    for job in jobs:
+        try:
+            check_job(layout, job, num_rows, row_bytes)
+        except (IndexError, ValueError) as exc:
+            errors.append(exc)
+        else:
+            errors.append(None)
+    return errors
 
 
 def plan_job(layout: KVLayout, job: CopyJob, host_base: int, host_row_stride: int) -> Plan:

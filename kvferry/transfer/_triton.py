@@ -1,10 +1,13 @@
 """The page-copy kernel of the CUDA path (Triton): one launch moves every page of a piece.
 
-``copy_rows(rows, lo, hi, num_rows, templates, max_pages, elem_bytes, to_device)`` copies
-rows ``lo:hi`` of a row table ``[engine blocks | staging addresses | template starts |
-page counts]`` (see :mod:`._pages`) on the current stream. Program ``(p, r)`` takes page
-``p`` of its rows ``r, r + step, ...``: the page's engine address is the template's
-offset plus the block times the template's block stride, its staging address the row's
+``copy_rows(rows, lo, hi, num_rows, templates, max_pages, elem_bytes, to_device,
+row_programs)`` copies rows ``lo:hi`` of a row table ``[engine blocks | row addresses |
+template starts | page counts]`` (see :mod:`._pages`) on the current stream. A row
+address is a staging slot's row (the staged path) or the pinned host row itself (the
+direct path: the kernel then reads or writes host memory over the link). Program
+``(p, r)`` takes page ``p`` of its rows ``r, r + step, ...`` (``step``: the programs
+along the rows, at most ``row_programs``): the page's engine address is the template's
+offset plus the block times the template's block stride, its row address the row's
 plus the template's row offset. It copies ``BLOCK`` elements at a time, with the widest
 element that divides every address and size the engine can produce.
 
@@ -93,15 +96,17 @@ def copy_rows(
     max_pages: int,
     elem_bytes: int,
     to_device: bool,
+    row_programs: int = MAX_ROW_PROGRAMS,
 ) -> None:
     """Launch the kernel over rows ``lo:hi`` of ``rows`` (4 x ``num_rows`` int64) with
-    ``templates`` (4 x pages int64, flat), both on the device, on the current stream."""
+    ``templates`` (4 x pages int64, flat), both on the device, on the current stream;
+    at most ``row_programs`` programs along the rows."""
     n = hi - lo
     if n <= 0 or max_pages <= 0:
         return
     # CPU tensors (the tests' fake device): Triton's interpreter runs the same kernel
     kernel = _compiled if rows.device.type == "cuda" else _interpreted()
-    kernel[(max_pages, min(n, MAX_ROW_PROGRAMS))](
+    kernel[(max_pages, max(1, min(n, row_programs)))](
         rows[lo:hi],
         rows[num_rows + lo : num_rows + hi],
         rows[2 * num_rows + lo : 2 * num_rows + hi],

@@ -50,7 +50,7 @@ def test_a_store_waits_for_the_engine_threads_compute_stream(worker: Any) -> Non
     with DEVICE.current(compute):  # vLLM's model thread, inside its forward context
         worker.wait_for_save(store_meta(1))
     worker.get_finished()  # a poll: the store actor has handled the batch before it
-    kernel = DEVICE.streams[-2]  # the store lane's kernel stream (gathers the blocks)
+    kernel = ENGINES[-1]._lanes["store"].kernel  # the stream that gathers the blocks
     [waited] = kernel.waited_events
     assert waited.recorded_on is compute  # not the actors' thread's default stream
 
@@ -62,7 +62,7 @@ def test_a_flush_fences_the_engine_threads_compute_stream(worker: Any) -> None:
     with DEVICE.current(compute):
         worker.wait_for_save(store_meta(2))
         worker.handle_preemptions(KVFerryMetadata(flush_job_ids=[2]))
-    dma = DEVICE.streams[-1]
-    job_end = [e for e in DEVICE.events if e.recorded_on is dma][-1]
+    last = ENGINES[-1]._lanes["store"].dma  # the stream a store ends on (direct: the only)
+    job_end = [e for e in DEVICE.events if e.recorded_on is last][-1]
     assert compute.waited_events == [job_end]  # the forward waits for the store's reads
     assert DEVICE.default_stream.waited_events == []

@@ -28,7 +28,7 @@ from kvferry.transfer import (
     describe_kv_caches,
     new_copy_engine,
 )
-from kvferry.transfer._cuda import TorchCudaOps
+from kvferry.transfer._cuda import CopyPath, TorchCudaOps
 from tests.transfer.kvlayouts import KV, LAYOUTS, NB, vllm_cpu
 
 pytestmark = pytest.mark.gpu
@@ -41,16 +41,27 @@ def job(job_id: int, direction: str, blocks: object, rows: object, group: int = 
 
 
 @pytest.mark.parametrize("make", list(LAYOUTS.values()), ids=list(LAYOUTS))
-@pytest.mark.parametrize("staging_rows", [2, 64], ids=["pieces", "one-piece"])
+@pytest.mark.parametrize(
+    ("path", "staging_rows", "row_programs"),
+    [("direct", 0, 1024), ("direct", 0, 2), ("staged", 2, 1024), ("staged", 64, 1024)],
+    ids=["direct", "direct-2-programs", "staged-pieces", "staged-one-piece"],
+)
 def test_cuda_store_then_load_round_trips_bit_exactly(
-    make: Callable[..., KV], staging_rows: int
+    make: Callable[..., KV], path: CopyPath, staging_rows: int, row_programs: int
 ) -> None:
     kv = make("cuda")
     before = kv.snapshot()
     layout = describe_kv_caches(kv.tensors, kv.groups, NB, kv.block_stride_bytes)
     pool = HostPool(num_slots=ROWS, blocks_per_chunk=1, row_bytes=layout.row_bytes, pin=True)
     assert pool.rows.is_pinned()
-    engine = CudaCopyEngine(layout, pool, staging_bytes=staging_rows * layout.row_bytes)
+    engine = CudaCopyEngine(
+        layout,
+        pool,
+        path=path,
+        staging_bytes=max(staging_rows, 1) * layout.row_bytes,
+        row_programs=row_programs,
+    )
+    assert engine.path == path
     rng = np.random.default_rng(3)
     try:
         for g, layers in enumerate(kv.groups):
@@ -95,7 +106,9 @@ def test_a_store_sees_what_the_compute_stream_wrote_just_before() -> None:
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("path", ["direct", "staged"])
 async def test_a_flushed_store_reads_its_blocks_before_the_compute_stream_overwrites_them(
+    path: CopyPath,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     kv = vllm_cpu("cuda")
@@ -105,14 +118,14 @@ async def test_a_flushed_store_reads_its_blocks_before_the_compute_stream_overwr
     old = KVBlockAccess(layout).read_blocks(blocks)
 
     class LateOps(TorchCudaOps):
-        def copy_pages(self, *args: Any) -> None:
+        def copy_rows(self, *args: Any) -> None:
             # Hold the store's kernel stream (~0.1 s) just before the gather reads the
             # blocks (the CPU never waits on it): without the fence, the overwrite below
             # would run first and the host would get the new contents.
             torch.cuda._sleep(200_000_000)
-            super().copy_pages(*args)
+            super().copy_rows(*args)
 
-    engine = CudaCopyEngine(layout, pool, ops=LateOps(layout.device))
+    engine = CudaCopyEngine(layout, pool, path=path, ops=LateOps(layout.device))
     try:
         async with ActorSystem() as system:
             store = await system.spawn(StoreActor(engine))
@@ -154,7 +167,9 @@ def test_a_step_batch_bigger_than_the_ring_round_trips_bit_exactly() -> None:
     layout = describe_kv_caches(kv.tensors, kv.groups, NB)
     pool = HostPool(num_slots=ROWS, blocks_per_chunk=1, row_bytes=layout.row_bytes, pin=True)
     # 2 slots of 2 rows: 9 blocks are 5 pieces, each slot reused while the other copies
-    engine = CudaCopyEngine(layout, pool, staging_bytes=4 * layout.row_bytes, ring_slots=2)
+    engine = CudaCopyEngine(
+        layout, pool, path="staged", staging_bytes=4 * layout.row_bytes, ring_slots=2
+    )
     src, rows = [0, 1, 2, 3, 4, 5, 6, 7, 8], [11, 3, 4, 5, 0, 9, 8, 1, 2]
     dst = [9, 8, 7, 6, 5, 4, 3, 2, 1]
     try:
@@ -175,12 +190,13 @@ def test_a_step_batch_bigger_than_the_ring_round_trips_bit_exactly() -> None:
         engine.close()
 
 
-def test_stores_and_loads_at_once_each_round_trip() -> None:
+@pytest.mark.parametrize("path", ["direct", "staged"])
+def test_stores_and_loads_at_once_each_round_trip(path: CopyPath) -> None:
     kv = vllm_cpu("cuda")
     before = kv.snapshot()
     layout = describe_kv_caches(kv.tensors, kv.groups, NB)
     pool = HostPool(num_slots=ROWS, blocks_per_chunk=1, row_bytes=layout.row_bytes, pin=True)
-    engine = new_copy_engine(layout, pool)
+    engine = CudaCopyEngine(layout, pool, path=path)
     try:
         [seed] = engine.submit_batch([job(1, "store", [0, 1, 2], [6, 7, 8])])  # type: ignore[attr-defined]
         seed.synchronize()
@@ -254,3 +270,45 @@ async def test_ferry_on_cuda_round_trips_with_many_concurrent_callers() -> None:
         for n in names:
             for i in range(NB):
                 assert torch.equal(kv.block(n, NB - 1 - i), before[n][i])
+
+
+def test_the_direct_and_staged_paths_write_the_same_host_rows_of_a_large_batch() -> None:
+    """A step batch of 48 jobs over a realistic page size (flash-attention, 8 KV heads of
+    128: 32 KiB pages), stored by both paths into separate rows: the rows are equal byte
+    for byte, and loading them back by the direct path restores every block."""
+    blocks, layers = 256, 4
+    g = torch.Generator(device="cuda").manual_seed(17)
+    kv = {
+        f"l{i}": torch.randn((2, blocks, 16, 8, 128), generator=g, device="cuda").to(torch.bfloat16)
+        for i in range(layers)
+    }
+    layout = describe_kv_caches(kv, [list(kv)], blocks)
+    pool = HostPool(num_slots=2 * blocks, blocks_per_chunk=1, row_bytes=layout.row_bytes, pin=True)
+    direct = CudaCopyEngine(layout, pool, path="direct")
+    staged = CudaCopyEngine(layout, pool, path="staged", staging_bytes=8 * layout.row_bytes)
+    rng = np.random.default_rng(23)
+    src = rng.choice(blocks, 192, replace=False)
+    rows = rng.permutation(2 * blocks)
+    a, b = rows[:192], rows[192:384]
+    try:
+        for engine, host in ((direct, a), (staged, b)):
+            jobs = [
+                job(j, "store", src[4 * j : 4 * j + 4], host[4 * j : 4 * j + 4]) for j in range(48)
+            ]
+            for c in engine.submit_batch(jobs):
+                c.synchronize()
+                assert c.exception() is None
+        assert torch.equal(pool.rows[torch.from_numpy(a)], pool.rows[torch.from_numpy(b)])
+        want = {n: t[:, torch.from_numpy(src).cuda()].clone() for n, t in kv.items()}
+        for t in kv.values():
+            t.zero_()
+        dst = rng.permutation(blocks)[:192]
+        jobs = [job(j, "load", dst[4 * j : 4 * j + 4], a[4 * j : 4 * j + 4]) for j in range(48)]
+        for c in direct.submit_batch(jobs):
+            c.synchronize()
+            assert c.exception() is None
+        for n, t in kv.items():
+            assert torch.equal(t[:, torch.from_numpy(dst).cuda()], want[n]), n
+    finally:
+        direct.close()
+        staged.close()

@@ -26,6 +26,7 @@ from kvferry.transfer import (
     SubmitJobs,
     describe_kv_caches,
 )
+from kvferry.transfer._cuda import CopyPath
 from kvferry.transfer._pages import element_bytes, plan_batch
 
 from .kvlayouts import KV, LAYOUTS, NB, per_layer_split_hnd, per_layer_split_nhd, two_groups
@@ -37,14 +38,28 @@ def job(job_id: int, direction: str, blocks: object, rows: object, group: int = 
 
 
 def setup(
-    kv: KV, *, rows: int = 40, slot_rows: int = 64, ring: int = 2, fire: bool = True
+    kv: KV,
+    *,
+    rows: int = 40,
+    slot_rows: int = 64,
+    ring: int = 2,
+    fire: bool = True,
+    path: CopyPath = "staged",
+    row_programs: int = 1024,
 ) -> tuple[KVLayout, HostPool, CudaCopyEngine, FakeCudaDevice]:
     layout = describe_kv_caches(kv.tensors, kv.groups, NB, kv.block_stride_bytes)
     pool = HostPool(num_slots=rows, blocks_per_chunk=1, row_bytes=layout.row_bytes)
     device = FakeCudaDevice(fire_events=fire)
     engine = CudaCopyEngine(
-        layout, pool, staging_bytes=slot_rows * ring * pool.row_bytes, ring_slots=ring, ops=device
+        layout,
+        pool,
+        path=path,
+        staging_bytes=slot_rows * ring * pool.row_bytes,
+        ring_slots=ring,
+        row_programs=row_programs,
+        ops=device,
     )
+    assert engine.path == path
     return layout, pool, engine, device
 
 
@@ -91,12 +106,16 @@ def test_a_step_batch_bigger_than_the_ring_round_trips_bit_exactly(make: Callabl
     assert stats.pieces == 4 * 2 * len(kv.groups)  # 7 rows in pieces of 2, both directions
 
 
+@pytest.mark.parametrize("path", ["staged", "direct"])
 @pytest.mark.parametrize("make", [per_layer_split_nhd, per_layer_split_hnd], ids=["nhd", "hnd"])
 @pytest.mark.parametrize("count", [1, 3, 7])
-def test_odd_block_counts_round_trip_in_nhd_and_hnd(make: Callable[[], KV], count: int) -> None:
+def test_odd_block_counts_round_trip_in_nhd_and_hnd(
+    make: Callable[[], KV], count: int, path: CopyPath
+) -> None:
     kv = make()
     before = kv.snapshot()
-    _, _, engine, _ = setup(kv, slot_rows=3, ring=3)
+    # direct: one program along the rows, which then loops over all of them
+    _, _, engine, _ = setup(kv, slot_rows=3, ring=3, path=path, row_programs=1)
     src = list(range(NB - count, NB))
     rows = [5 + 2 * i for i in range(count)]  # no two consecutive: one DMA per row
     dst = list(range(count))
@@ -105,10 +124,11 @@ def test_odd_block_counts_round_trip_in_nhd_and_hnd(make: Callable[[], KV], coun
     expect_moved(kv, before, src, dst, kv.groups[0])
 
 
-def test_two_groups_in_one_batch_land_in_their_own_rows() -> None:
+@pytest.mark.parametrize("path", ["staged", "direct"])
+def test_two_groups_in_one_batch_land_in_their_own_rows(path: CopyPath) -> None:
     kv = two_groups()
     before = kv.snapshot()
-    _, pool, engine, _ = setup(kv, slot_rows=4, ring=2)
+    _, pool, engine, _ = setup(kv, slot_rows=4, ring=2, path=path)
     part_a = GroupBlocks(group=0, device_blocks=[1, 2, 3], host_rows=[10, 11, 12])
     part_b = GroupBlocks(group=1, device_blocks=[4, 5], host_rows=[20, 21])
     ended_ok(engine.submit_batch([CopyJob(job_id=1, direction="store", parts=(part_a, part_b))]))
@@ -133,6 +153,30 @@ def test_consecutive_host_rows_go_as_one_dma_per_run() -> None:
     assert device.memcpys == engine.statistics().dma_copies == 2  # [3..6], [9..11]
 
 
+@pytest.mark.parametrize("batched", [True, False], ids=["one-call-a-piece", "run-by-run"])
+def test_a_pieces_runs_go_in_one_batched_copy_where_the_device_has_one(batched: bool) -> None:
+    kv = per_layer_split_nhd()
+    before = kv.snapshot()
+    layout = describe_kv_caches(kv.tensors, kv.groups, NB)
+    pool = HostPool(num_slots=40, blocks_per_chunk=1, row_bytes=layout.row_bytes)
+    device = FakeCudaDevice(batched_copies=batched)
+    engine = CudaCopyEngine(
+        layout, pool, staging_bytes=8 * pool.row_bytes, ring_slots=2, ops=device
+    )
+    src, rows, dst = [0, 1, 2, 3, 4, 5, 6], [30, 2, 17, 9, 3, 21, 11], [9, 8, 7, 6, 5, 4, 3]
+    ended_ok(
+        engine.submit_batch(
+            [job(1, "store", src[:4], rows[:4]), job(2, "store", src[4:], rows[4:])]
+        )
+    )
+    ended_ok(engine.submit_batch([job(3, "load", dst, rows)]))
+    expect_moved(kv, before, src, dst, kv.groups[0])
+    # 7 rows in pieces of 4, 2 pieces each way. Stores (a job's rows sorted): [2 9 17 30]
+    # [3 11 21], 7 runs; the load: [2 3 9 11] [17 21 30], 6 runs ([2, 3] is one)
+    assert device.memcpys == engine.statistics().dma_copies == 13
+    assert device.memcpy_batches == (4 if batched else 0)
+
+
 # ----------------------------------------------------------------- launches per job
 
 
@@ -143,19 +187,23 @@ def layers_kv(num_layers: int) -> KV:
     return KV(ts, [list(ts)], {n: 1 for n in ts})
 
 
+@pytest.mark.parametrize("path", ["staged", "direct"])
 @pytest.mark.parametrize("direction", ["store", "load"])
-def test_device_launches_per_batch_do_not_grow_with_the_layer_count(direction: str) -> None:
+def test_device_launches_per_batch_do_not_grow_with_the_layer_count(
+    direction: str, path: CopyPath
+) -> None:
     counts = []
     for num_layers in (2, 64):
         kv = layers_kv(num_layers)
-        layout, _, engine, device = setup(kv, slot_rows=64)
+        layout, _, engine, device = setup(kv, slot_rows=64, path=path)
         assert len(layout.groups[0].segments) == 2 * num_layers  # K and V of every layer
         engine.submit_batch([job(i, direction, [i, i + 4], [2 * i, 2 * i + 1]) for i in range(4)])
         engine.submit(job(9, direction, [9], [30]))  # a single job, as external callers do
         stats = engine.statistics()
         counts.append((device.kernel_launches, stats.table_uploads, device.memcpys, device.uploads))
-    # per batch: one row table, one launch, one run; and the page templates once
-    assert counts[0] == counts[1] == (2, 2, 2, 3)
+    # per batch: one row table, one launch, and (staged) one DMA per run; the page
+    # templates once. Direct: no DMA at all, the kernel reaches the host rows.
+    assert counts[0] == counts[1] == ((2, 2, 2, 3) if path == "staged" else (2, 2, 0, 3))
 
 
 def test_a_batch_is_planned_without_a_python_loop_per_block() -> None:
@@ -286,3 +334,80 @@ async def test_a_flush_fences_the_marks_compute_stream_and_does_not_wait() -> No
 def test_fake_events_refuse_a_wait_that_would_hang() -> None:
     with pytest.raises(RuntimeError, match="would hang"):
         FakeCudaEvent().synchronize()
+
+
+# ----------------------------------------------------------------- the direct path
+
+
+@pytest.mark.parametrize("make", list(LAYOUTS.values()), ids=list(LAYOUTS))
+def test_the_direct_path_round_trips_a_step_batch_bit_exactly(make: Callable[[], KV]) -> None:
+    kv = make()
+    before = kv.snapshot()
+    _, pool, engine, device = setup(kv, path="direct", row_programs=2)
+    rng = np.random.default_rng(11)
+    for g, layers in enumerate(kv.groups):
+        src = [int(b) for b in rng.choice(NB, 7, replace=False)]
+        rows = [int(r) for r in rng.choice(40, 7, replace=False)]
+        dst = [int(b) for b in rng.permutation(src)]
+        stores = [job(1, "store", src[:3], rows[:3], g), job(2, "store", src[3:], rows[3:], g)]
+        ended_ok(engine.submit_batch(stores))
+        loads = [job(3, "load", dst[:5], rows[:5], g), job(4, "load", dst[5:], rows[5:], g)]
+        ended_ok(engine.submit_batch(loads))
+        expect_moved(kv, before, src, dst, layers)
+        before = kv.snapshot()
+    stats = engine.statistics()
+    # a batch is one piece: one upload, one launch, no DMA and no staging memory
+    assert stats.pieces == stats.kernel_launches == stats.table_uploads == 2 * len(kv.groups)
+    assert stats.dma_copies == device.memcpys == 0
+    assert device.launch_programs == [2] * (2 * len(kv.groups))
+    assert all(not lane.slots for lane in engine._lanes.values())
+
+
+def test_the_direct_path_orders_a_batch_after_the_mark_and_ends_every_job_with_it() -> None:
+    kv = per_layer_split_nhd()
+    _, _, engine, device = setup(kv, path="direct", fire=False)
+    compute = FakeStream(name="compute")
+    with device.current(compute):
+        mark = engine.capture_compute()
+    a, b = engine.submit_batch(
+        [job(1, "store", [0, 1], [0, 1]), job(2, "store", [2, 3], [5, 9])], mark
+    )
+    [stream] = device.streams  # one stream per direction: no DMA stream
+    assert stream.waited_events == [mark.event]
+    [end] = [e for e in device.events if e.recorded_on is stream]
+    assert not a.query() and not b.query()
+    end.fire()
+    assert a.query() and b.query() and a.exception() is None and b.exception() is None
+    load = engine.submit(job(3, "load", [4], [0]), mark)
+    assert len(device.streams) == 2 and device.streams[1].waited_events == [mark.event]
+    assert not load.query()
+
+
+def test_the_direct_path_fails_a_batch_whose_launch_fails_only_after_what_it_enqueued() -> None:
+    kv = per_layer_split_nhd()
+    _, _, engine, device = setup(kv, path="direct", fire=False)
+
+    def launch_fails(*args: object) -> None:
+        raise RuntimeError("CUDA error: launch failed")
+
+    device.copy_rows = launch_fails  # type: ignore[method-assign]
+    first, second = engine.submit_batch([job(1, "store", [0], [0]), job(2, "store", [1], [1])])
+    assert not first.query() and not second.query()  # the upload may still run
+    device.events[-1].fire()
+    for c in (first, second):
+        assert c.query() and "launch failed" in repr(c.exception())
+
+
+def test_copies_are_staged_by_default_and_direct_only_where_the_device_reaches_the_pool() -> None:
+    kv = per_layer_split_nhd()
+    layout = describe_kv_caches(kv.tensors, kv.groups, NB)
+    pool = HostPool(num_slots=4, blocks_per_chunk=1, row_bytes=layout.row_bytes)
+    assert CudaCopyEngine(layout, pool, ops=FakeCudaDevice()).path == "staged"
+    assert CudaCopyEngine(layout, pool, path="direct", ops=FakeCudaDevice()).path == "direct"
+    unreachable = FakeCudaDevice(reach_host=False)
+    with pytest.raises(ValueError, match="path='direct' needs a host pool the device can reach"):
+        CudaCopyEngine(layout, pool, path="direct", ops=unreachable)
+    with pytest.raises(ValueError, match="path must be"):
+        CudaCopyEngine(layout, pool, path="auto", ops=unreachable)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="row_programs must be >= 1"):
+        CudaCopyEngine(layout, pool, row_programs=0, ops=unreachable)
