@@ -41,16 +41,20 @@ ticks every 1 ms and records its lag (``ferry_loop_lag_ms_p99`` / ``_max``).
 
 ``pinned_pool_s_32g``: seconds to allocate and pin a 32 GiB host pool
 (:class:`~kvferry.transfer.HostPool`, ``pin=True``), when the machine has the memory;
-``_huge`` / ``_small`` with transparent huge pages forced on / off.
+``_huge`` / ``_small`` with transparent huge pages forced on / off;
+``unpinned_pool_s_32g_huge`` the same pool populated but not pinned.
 
-Measured on an H200 (PCIe gen 5 x16; DMA 55 GB/s each way, 100 GB/s both ways), one
-run: staged store / load 0.96 / 0.97 of DMA at 32 KiB pages and 0.83 / 0.86 with step
-batches at 4 KiB (vLLM's way: 1.02x / 0.99x and 5.6x / 6.3x of it); both ways at once
-0.77 / 0.54 of the two-way limit; direct 0.94 / 0.91 and 0.87 / 0.82; matrix products
-beside the copies 1.03x as long (staged), 3.9x (direct), 2.1x (direct, one program per
-page); ``Ferry``'s loop lag 1.76 ms at p99 (1.79 at worst), its stores and loads 0.86 /
-0.89 of DMA; a staged 2 GiB step batch held the calling thread 23 ms (about 190 µs a
-16 MiB piece), a direct one 0.6 ms.
+Measured on an H200 (PCIe gen 5 x16; DMA 55 GB/s each way, 100 GB/s both ways), the last
+of five runs of one session: staged store / load 0.96 / 0.98 of DMA at 32 KiB pages and
+0.83 / 0.88 with step batches at 4 KiB; vLLM's way 1.03x / 1.01x and 5.1x / 6.2x of it
+(vLLM's way itself varied from run to run: 33-54 GB/s at 32 KiB); both ways at once 0.91
+/ 0.67 of the two-way limit; direct 0.94 / 0.91 and 0.91 / 0.88; matrix products beside
+the copies 1.02x as long (staged), 3.6x (direct), 2.1x (direct, one program per page; over
+the five runs 1.02-1.04x, 3.1-4.3x, 2.0-2.3x); a staged 2 GiB step batch held the calling
+thread 6.0 ms (64 pieces), a 192 MiB one 1.4 ms, direct 0.9 / 0.3 ms; ``Ferry``'s loop lag
+4.1 ms at p99 (4.7 at worst), its stores and loads 0.65 / 0.75 of DMA (over the runs
+1.8-4.3 ms and 0.56-0.86 / 0.60-0.89); a pinned 32 GiB pool 5.5 s (huge pages, now the
+default when pinning; 5.1 s of it populating), 10.6 s with small pages.
 """
 
 from __future__ import annotations
@@ -493,6 +497,8 @@ def pinned_pools(nbytes: int) -> dict[str, float | None]:
         "pinned_pool_s_32g": round(host_pool_seconds(nbytes, pin=True), 2),
         "pinned_pool_s_32g_huge": round(host_pool_seconds(nbytes, pin=True, huge_pages=True), 2),
         "pinned_pool_s_32g_small": round(host_pool_seconds(nbytes, pin=True, huge_pages=False), 2),
+        # populated alone (huge pages, not pinned): the rest of _huge is the pinning
+        "unpinned_pool_s_32g_huge": round(host_pool_seconds(nbytes, huge_pages=True), 2),
     }
 
 

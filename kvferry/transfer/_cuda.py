@@ -29,9 +29,9 @@ multiprocessors are busy only for the gathers and scatters, at device-memory spe
 themselves (pinned memory is mapped into the device's address space), with no staging
 memory and no DMA. It needs the least CPU per batch and reaches the link at small pages,
 but its programs hold multiprocessors while they wait on the link: measured on an H200,
-bf16 matrix products beside it ran 3.9x as long (2.1x with one program per page), beside
-staged copies 1.03x (``benchmarks/transfer_cuda.py``). So it is for hosts where copies
-rarely overlap compute.
+bf16 matrix products beside it ran 3.1-4.3x as long (2.0-2.3x with one program per
+page), beside staged copies 1.02-1.04x (``benchmarks/transfer_cuda.py``). So it is for
+hosts where copies rarely overlap compute.
 
 Ordering against the engine's compute: the caller captures a :class:`ComputeMark` on
 the thread that runs the engine's forward, inside the engine's call (vLLM runs each
@@ -59,7 +59,7 @@ copies until its jobs ended.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Literal, Protocol
 
@@ -86,7 +86,10 @@ from ._pool import HostPool
 
 DEFAULT_STAGING_BYTES = 64 << 20
 """Device memory for staging, per direction, split into :data:`DEFAULT_RING_SLOTS` slots."""
-DEFAULT_RING_SLOTS = 4
+DEFAULT_RING_SLOTS = 2
+"""Two slots keep the link busy (a gather or scatter runs at device-memory speed, so the
+next piece is staged long before the link is done with the last), and make pieces as
+large as the staging memory allows: the calling thread's cost is per piece."""
 
 MAX_ROW_PROGRAMS = 1024
 """The kernel's default cap on programs along the rows of one launch (each program then
@@ -423,13 +426,23 @@ class CudaCopyEngine:
                 by_direction.setdefault(job.direction, []).append(i)
         if by_direction:
             mark = compute if compute is not None else self.capture_compute()
-            order: tuple[Direction, ...] = ("load", "store")  # loads first: a request waits
-            for direction in order:
-                index = by_direction.get(direction)
-                if index:
-                    done = self._batch(direction, [jobs[i] for i in index], mark)
-                    for i, completion in zip(index, done, strict=True):
-                        out[i] = completion
+            # Each direction's batch is enqueued a piece at a time, the two directions in
+            # turn (loads first: a request waits on them), so both lanes have work on the
+            # device early and the link carries both ways at once.
+            running = [
+                (by_direction[d], self._batch(d, [jobs[i] for i in by_direction[d]], mark))
+                for d in ("load", "store")
+                if d in by_direction
+            ]
+            while running:
+                for entry in list(running):
+                    index, steps = entry
+                    try:
+                        next(steps)
+                    except StopIteration as stop:
+                        running.remove(entry)
+                        for i, completion in zip(index, stop.value, strict=True):
+                            out[i] = completion
         return [c for c in out if c is not None]
 
     def _direct(
@@ -478,7 +491,9 @@ class CudaCopyEngine:
 
     def _batch(
         self, direction: Direction, jobs: list[CopyJob], mark: ComputeMark
-    ) -> list[Completion]:
+    ) -> Generator[None, None, list[Completion]]:
+        """Enqueue one direction's batch; yields after each piece (the caller interleaves
+        the directions), returns a completion per job."""
         if self.path == "direct":
             return self._direct(direction, jobs, mark)
         ops = self.ops
@@ -499,36 +514,37 @@ class CudaCopyEngine:
         try:
             pinned = ops.pinned(4 * plan.num_rows)
             row_table(plan, self._templates, bases, self.pool.row_bytes, pinned.numpy())
+            runs = self._runs(plan, bases, to_slot=load)
             # The copy that writes the engine's blocks (load: the scatter) or reads them
             # (store: the gather) is the one ordered after the compute.
             lane.kernel.wait_event(mark.event)
-            # Launches go on the current stream, which is the kernel stream throughout;
-            # DMAs and events name their stream (one context switch per batch, not four
-            # per piece).
             with ops.use_stream(lane.kernel):
                 rows_table = ops.upload(pinned)
-                self._counts["table_uploads"] += 1
-                for k in range(plan.num_pieces):
-                    s = int(slot_ids[k])
-                    slot = lane.slots[s]
-                    if lane.free[s] is not None:
-                        first.wait_event(lane.free[s])
-                    if load:
-                        self._dma(plan, k, slot, host, first, to_slot=True)
-                    else:
-                        self._launch(lane, rows_table, plan, k, load)
-                    handed = ops.new_event()
-                    handed.record(first)
-                    second.wait_event(handed)
-                    if load:
-                        self._launch(lane, rows_table, plan, k, load)
-                    else:
-                        self._dma(plan, k, slot, host, second, to_slot=False)
-                    ended = ops.new_event()
-                    ended.record(second)
-                    lane.free[s] = ended
-                    piece_events.append(ended)
-                    self._counts["pieces"] += 1
+            self._counts["table_uploads"] += 1
+            for k in range(plan.num_pieces):
+                s = int(slot_ids[k])
+                slot = lane.slots[s]
+                if lane.free[s] is not None:
+                    first.wait_event(lane.free[s])
+                if load:
+                    self._dma(plan, k, runs, slot, host, first, to_slot=True)
+                else:
+                    self._launch(lane, rows_table, plan, k, load)
+                handed = ops.new_event()
+                handed.record(first)
+                second.wait_event(handed)
+                if load:
+                    self._launch(lane, rows_table, plan, k, load)
+                else:
+                    self._dma(plan, k, runs, slot, host, second, to_slot=False)
+                ended = ops.new_event()
+                ended.record(second)
+                lane.free[s] = ended
+                piece_events.append(ended)
+                self._counts["pieces"] += 1
+                # the other direction's next piece goes out here: no stream context is
+                # held across this point (its current stream would be the other's)
+                yield
         except Exception as exc:  # part may be enqueued: those jobs end only after it
             error = exc
             get_logger("kvferry.transfer").error(
@@ -554,25 +570,39 @@ class CudaCopyEngine:
     def _launch(
         self, lane: _Lane, rows: torch.Tensor, plan: BatchPlan, k: int, to_device: bool
     ) -> None:
+        """One launch over piece ``k``'s rows on the lane's kernel stream, in a stream
+        context of its own (none is held from one piece to the next)."""
         lo = k * plan.slot_rows
         hi = min(lo + plan.slot_rows, plan.num_rows)
-        self.ops.copy_rows(
-            rows,
-            lo,
-            hi,
-            plan.num_rows,
-            lane.templates,
-            self._templates.max_pages,
-            self._elem,
-            to_device,
-            self.row_programs,
-        )
+        with self.ops.use_stream(lane.kernel):
+            self.ops.copy_rows(
+                rows,
+                lo,
+                hi,
+                plan.num_rows,
+                lane.templates,
+                self._templates.max_pages,
+                self._elem,
+                to_device,
+                self.row_programs,
+            )
         self._counts["kernel_launches"] += 1
+
+    def _runs(self, plan: BatchPlan, bases: I64, *, to_slot: bool) -> tuple[I64, I64, I64]:
+        """Every run of the batch as a copy (destinations, sources, sizes), computed once
+        per batch: a piece's runs are then a slice of each."""
+        row = self.pool.row_bytes
+        piece = np.repeat(np.arange(plan.num_pieces, dtype=np.int64), np.diff(plan.run_bounds))
+        host_at = self.pool.rows.data_ptr() + plan.runs_host * row
+        slot_at = bases[piece] + (plan.runs_pos - piece * plan.slot_rows) * row
+        sizes = plan.runs_len * row
+        return (slot_at, host_at, sizes) if to_slot else (host_at, slot_at, sizes)
 
     def _dma(
         self,
         plan: BatchPlan,
         k: int,
+        runs: tuple[I64, I64, I64],
         slot: torch.Tensor,
         host: torch.Tensor,
         stream: Any,
@@ -581,22 +611,18 @@ class CudaCopyEngine:
     ) -> None:
         a, b = int(plan.run_bounds[k]), int(plan.run_bounds[k + 1])
         base = k * plan.slot_rows
-        row = self.pool.row_bytes
-        host_at = host.data_ptr() + plan.runs_host[a:b] * row
-        slot_at = slot.data_ptr() + (plan.runs_pos[a:b] - base) * row
-        sizes = plan.runs_len[a:b] * row
-        dsts, srcs = (slot_at, host_at) if to_slot else (host_at, slot_at)
-        if self.ops.memcpy_batch(dsts, srcs, sizes, stream):  # one driver call a piece
+        dsts, srcs, sizes = runs
+        if self.ops.memcpy_batch(dsts[a:b], srcs[a:b], sizes[a:b], stream):  # one call
             self._counts["dma_copies"] += b - a
             return
-        runs = zip(
+        each = zip(
             plan.runs_host[a:b].tolist(),
             plan.runs_pos[a:b].tolist(),
             plan.runs_len[a:b].tolist(),
             strict=True,
         )
         with self.ops.use_stream(stream):  # run by run, on the current stream
-            for h0, p0, n in runs:
+            for h0, p0, n in each:
                 i0 = p0 - base
                 if to_slot:
                     self.ops.memcpy(slot[i0 : i0 + n], host[h0 : h0 + n])
@@ -640,7 +666,9 @@ class _BatchCopy:
         self._failed_at = ctypes.c_size_t(0)
 
     def copy(self, dsts: I64, srcs: I64, sizes: I64, stream: int) -> None:
-        d, s, n = (np.ascontiguousarray(a, dtype=np.uint64) for a in (dsts, srcs, sizes))
+        """``dsts``, ``srcs``, ``sizes``: 8-byte integers (int64 addresses are read as the
+        unsigned words they are)."""
+        d, s, n = (_words(a) for a in (dsts, srcs, sizes))
         args: list[Any] = [
             ctypes.c_void_p(d.ctypes.data),
             ctypes.c_void_p(s.ctypes.data),
@@ -655,6 +683,13 @@ class _BatchCopy:
         err = self._fn(*args, ctypes.c_void_p(stream))
         if err != 0:
             raise RuntimeError(f"cuMemcpyBatchAsync failed with CUDA error {err}")
+
+
+def _words(a: I64) -> I64:
+    """``a`` as contiguous 8-byte integers, copied only where it is not already."""
+    if a.dtype.itemsize == 8 and a.dtype.kind in "iu" and a.flags.c_contiguous:
+        return a
+    return np.ascontiguousarray(a, dtype=np.int64)
 
 
 _batch_copy_state: list[_BatchCopy | None] = []

@@ -35,11 +35,10 @@ _DTYPES: dict[int, Any] = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
 
 
 def _copy_rows(  # type: ignore[no-untyped-def]
-    blocks,
-    staging,
-    starts,
-    counts,
+    table,
+    lo,
     num_rows,
+    total_rows,
     templates,
     num_templates,
     TO_DEVICE: tl.constexpr,
@@ -52,12 +51,13 @@ def _copy_rows(  # type: ignore[no-untyped-def]
     step = tl.num_programs(1)
     offsets = tl.arange(0, BLOCK)
     while row < num_rows:
-        if page < tl.load(counts + row):
-            t = tl.load(starts + row) + page
-            dev = tl.load(templates + t) + tl.load(blocks + row) * tl.load(
+        r = lo + row  # the table's columns: blocks, row addresses, template starts, counts
+        if page < tl.load(table + 3 * total_rows + r):
+            t = tl.load(table + 2 * total_rows + r) + page
+            dev = tl.load(templates + t) + tl.load(table + r) * tl.load(
                 templates + num_templates + t
             )
-            stag = tl.load(staging + row) + tl.load(templates + 2 * num_templates + t)
+            stag = tl.load(table + total_rows + r) + tl.load(templates + 2 * num_templates + t)
             n = tl.load(templates + 3 * num_templates + t) // ELEM
             if TO_DEVICE:
                 src = stag.to(tl.pointer_type(DT))
@@ -72,7 +72,12 @@ def _copy_rows(  # type: ignore[no-untyped-def]
         row += step
 
 
-_compiled = triton.jit(_copy_rows)
+# The row counts and offsets change from launch to launch: specializing on them (on a
+# value of 1, or on divisibility by 16) would cost a check per argument per launch and a
+# compilation per new combination.
+_compiled = triton.jit(
+    _copy_rows, do_not_specialize=["lo", "num_rows", "total_rows", "num_templates"]
+)
 
 
 def _interpreted() -> Any:
@@ -107,11 +112,10 @@ def copy_rows(
     # CPU tensors (the tests' fake device): Triton's interpreter runs the same kernel
     kernel = _compiled if rows.device.type == "cuda" else _interpreted()
     kernel[(max_pages, max(1, min(n, row_programs)))](
-        rows[lo:hi],
-        rows[num_rows + lo : num_rows + hi],
-        rows[2 * num_rows + lo : 2 * num_rows + hi],
-        rows[3 * num_rows + lo : 3 * num_rows + hi],
+        rows,  # the whole table: no views to make per launch
+        lo,
         n,
+        num_rows,
         templates,
         templates.numel() // 4,
         TO_DEVICE=to_device,

@@ -6,6 +6,7 @@ asked of the device."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -175,6 +176,31 @@ def test_a_pieces_runs_go_in_one_batched_copy_where_the_device_has_one(batched: 
     # [3 11 21], 7 runs; the load: [2 3 9 11] [17 21 30], 6 runs ([2, 3] is one)
     assert device.memcpys == engine.statistics().dma_copies == 13
     assert device.memcpy_batches == (4 if batched else 0)
+
+
+def test_a_batch_of_both_directions_goes_out_a_piece_of_each_in_turn() -> None:
+    kv = per_layer_split_nhd()
+    _, _, engine, device = setup(kv, slot_rows=2, ring=2)
+    seen: list[tuple[bool, object]] = []
+    real = device.copy_rows
+
+    def logged(*args: Any) -> None:
+        seen.append((args[7], device.current_stream()))  # to_device, the launch's stream
+        real(*args)
+
+    device.copy_rows = logged  # type: ignore[method-assign]
+    engine.submit_batch(
+        [job(1, "store", [0, 1, 2, 3], [0, 1, 2, 3]), job(2, "load", [4, 5, 6, 7], [9, 8, 7, 6])]
+    )
+    loads, stores = engine._lanes["load"].kernel, engine._lanes["store"].kernel
+    # two pieces each way, a load's first: each launch on its own lane's kernel stream
+    assert [(d, stream) for d, stream in seen] == [
+        (True, loads),
+        (False, stores),
+        (True, loads),
+        (False, stores),
+    ]
+    assert device.current_stream() is device.default_stream  # every context was left
 
 
 # ----------------------------------------------------------------- launches per job

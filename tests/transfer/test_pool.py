@@ -192,6 +192,15 @@ def test_pinned_pool_is_page_locked_until_closed() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not thp_offered(), reason="this system offers no transparent huge pages")
+def test_a_pinned_pool_asks_for_huge_pages_by_default() -> None:
+    # the driver locks a pool page by page: fewer, larger pages pin faster
+    pool = HostPool(num_slots=4, blocks_per_chunk=1, row_bytes=2 * MiB, pin=True)
+    assert pool.huge_pages
+    pool.close()
+
+
+@pytest.mark.gpu
 def test_pinned_pool_simply_dropped_is_unpinned_and_unmapped() -> None:
     pool = HostPool(num_slots=2, blocks_per_chunk=1, row_bytes=MiB, pin=True)
     address, nbytes = pool.rows.data_ptr(), pool.nbytes
