@@ -164,6 +164,9 @@ class TorchCudaOps:
 
         self.device = device
         self._cuda = torch.cuda
+        # Probed now, when the engine is made (before serving): the probe waits for its
+        # own copy, and for what the current stream had enqueued before it.
+        self._batch = _batch_copy()
 
     def new_stream(self, direction: Direction) -> Any:
         # Lower number = higher priority: loads overtake stores on the device.
@@ -192,10 +195,9 @@ class TorchCudaOps:
         dst.copy_(src, non_blocking=True)
 
     def memcpy_batch(self, dsts: I64, srcs: I64, sizes: I64, stream: Any) -> bool:
-        batch = _batch_copy()
-        if batch is None:
+        if self._batch is None:
             return False
-        batch.copy(dsts, srcs, sizes, stream.cuda_stream)
+        self._batch.copy(dsts, srcs, sizes, stream.cuda_stream)
         return True
 
     def copy_rows(
@@ -443,6 +445,17 @@ class CudaCopyEngine:
                         running.remove(entry)
                         for i, completion in zip(index, stop.value, strict=True):
                             out[i] = completion
+                    except Exception as exc:
+                        # Raised before this direction enqueued anything (its lane's
+                        # staging memory, say; a failure once enqueuing began ends its
+                        # jobs after what was enqueued, inside the batch). The other
+                        # direction goes on: it may have enqueued already.
+                        running.remove(entry)
+                        get_logger("kvferry.transfer").error(
+                            "batch_submit_failed", jobs=len(index), exc_info=exc
+                        )
+                        for i in index:
+                            out[i] = EndedCompletion(exc)
         return [c for c in out if c is not None]
 
     def _direct(

@@ -203,6 +203,30 @@ def test_a_batch_of_both_directions_goes_out_a_piece_of_each_in_turn() -> None:
     assert device.current_stream() is device.default_stream  # every context was left
 
 
+def test_a_direction_that_fails_before_enqueuing_fails_alone() -> None:
+    kv = per_layer_split_nhd()
+    before = kv.snapshot()
+    _, _, engine, device = setup(kv, slot_rows=2, ring=2)
+    real = device.new_stream
+
+    def no_store_lane(direction: str) -> Any:
+        if direction == "store":
+            raise RuntimeError("CUDA out of memory")
+        return real(direction)
+
+    device.new_stream = no_store_lane  # type: ignore[method-assign]
+    [first] = engine.submit_batch([job(1, "store", [0, 1], [0, 1])])
+    assert first.query() and "out of memory" in repr(first.exception())  # no raise
+    store, load = engine.submit_batch(
+        [job(2, "store", [2], [2]), job(3, "load", [5, 6, 7], [0, 1, 2])]
+    )
+    assert store.query() and "out of memory" in repr(store.exception())
+    ended_ok([load])  # the loads went on: rows 0..2 (never written: zeros) in blocks 5..7
+    for name in kv.groups[0]:
+        for b in (5, 6, 7):
+            assert before[name][b].any() and not kv.block(name, b).any()
+
+
 # ----------------------------------------------------------------- launches per job
 
 
