@@ -146,6 +146,7 @@ def test_an_exception_inside_the_transfer_actor_does_not_kill_the_engine(
         baseline="none",
         workdir=str(tmp_path_factory.mktemp("soak-crash")),
         log=lambda line: None,
+        eager=True,
     )
     assert figures["faults_by_kind"]["crash"] > 0
     assert figures["engine_error"] is None
