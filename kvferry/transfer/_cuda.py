@@ -81,7 +81,7 @@ from ._pages import (
     plan_rows,
     row_table,
 )
-from ._plan import check_batch, check_job
+from ._plan import check_batch
 from ._pool import HostPool
 
 DEFAULT_STAGING_BYTES = 64 << 20
@@ -405,8 +405,10 @@ class CudaCopyEngine:
     def submit(self, job: CopyJob, compute: ComputeMark | None = None) -> Completion:
         """Enqueue one job; raises (enqueuing nothing) if it names blocks or rows that
         do not exist."""
-        check_job(self.layout, job, self.pool.rows.shape[0], self.pool.row_bytes)
-        [completion] = self.submit_batch([job], compute)
+        [error] = check_batch(self.layout, [job], self.pool.rows.shape[0], self.pool.row_bytes)
+        if error is not None:
+            raise error
+        [completion] = self._submit_checked([job], [None], compute)
         return completion
 
     def submit_batch(
@@ -418,9 +420,17 @@ class CudaCopyEngine:
         already ended with that error; the others go on. ``compute`` orders the batch
         after the engine's compute (default: the calling thread's current stream now).
         """
+        errors = check_batch(self.layout, jobs, self.pool.rows.shape[0], self.pool.row_bytes)
+        return self._submit_checked(jobs, errors, compute)
+
+    def _submit_checked(
+        self,
+        jobs: Sequence[CopyJob],
+        errors: Sequence[Exception | None],
+        compute: ComputeMark | None,
+    ) -> list[Completion]:
         out: list[Completion | None] = [None] * len(jobs)
         by_direction: dict[Direction, list[int]] = {}
-        errors = check_batch(self.layout, jobs, self.pool.rows.shape[0], self.pool.row_bytes)
         for i, (job, error) in enumerate(zip(jobs, errors, strict=True)):
             if error is not None:
                 out[i] = EndedCompletion(error)

@@ -103,30 +103,54 @@ class BatchPlan:
         return -(-self.num_rows // self.slot_rows)
 
 
+def _batch_rows(jobs: Sequence[CopyJob]) -> tuple[I64, I64, I64, I64, I64]:
+    """Every row of ``jobs`` in submission order (engine blocks, host rows, groups), and
+    per part its job and its number of rows."""
+    parts = [(j, p) for j, job in enumerate(jobs) for p in job.parts]
+    k = len(parts)
+    lens = np.fromiter((len(p.device_blocks) for _, p in parts), np.int64, k)
+    owners = np.fromiter((j for j, _ in parts), np.int64, k)
+    if not lens.sum():
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty, owners, lens
+    blocks = np.concatenate([p.device_blocks for _, p in parts])
+    rows = np.concatenate([p.host_rows for _, p in parts])
+    group = np.repeat(np.fromiter((p.group for _, p in parts), np.int64, k), lens)
+    return blocks, rows, group, owners, lens
+
+
+def _plan(
+    slot_rows: int,
+    rows: I64,
+    blocks: I64,
+    group: I64,
+    job_piece: I64,
+    runs: tuple[I64, I64, I64, I64] | None = None,
+) -> BatchPlan:
+    """A plan without runs (``runs`` None), or with ``runs`` = (host, pos, len, bounds)."""
+    empty = np.zeros(0, dtype=np.int64)
+    return BatchPlan(
+        slot_rows=slot_rows,
+        host_rows=rows,
+        dev_blocks=blocks,
+        groups=group,
+        runs_host=empty if runs is None else runs[0],
+        runs_pos=empty if runs is None else runs[1],
+        runs_len=empty if runs is None else runs[2],
+        run_bounds=np.zeros(1, dtype=np.int64) if runs is None else runs[3],
+        job_piece=job_piece,
+    )
+
+
 def plan_batch(jobs: Sequence[CopyJob], slot_rows: int) -> BatchPlan:
     """Lay ``jobs`` (already checked) out in staging order, in pieces of ``slot_rows``."""
     if slot_rows <= 0:
         raise ValueError(f"slot_rows must be > 0, got {slot_rows}")
-    parts = [(j, p) for j, job in enumerate(jobs) for p in job.parts]
-    lens = np.array([len(p.device_blocks) for _, p in parts], dtype=np.int64)
-    n = int(lens.sum())
-    empty = np.zeros(0, dtype=np.int64)
+    blocks, rows, group, owners, lens = _batch_rows(jobs)
+    n = len(rows)
     if not n:
-        return BatchPlan(
-            slot_rows=slot_rows,
-            host_rows=empty,
-            dev_blocks=empty,
-            groups=empty,
-            runs_host=empty,
-            runs_pos=empty,
-            runs_len=empty,
-            run_bounds=np.zeros(1, dtype=np.int64),
-            job_piece=np.full(len(jobs), -1, dtype=np.int64),
-        )
-    blocks = np.concatenate([p.device_blocks for _, p in parts])
-    rows = np.concatenate([p.host_rows for _, p in parts])
-    group = np.repeat(np.array([p.group for _, p in parts], dtype=np.int64), lens)
-    job = np.repeat(np.array([j for j, _ in parts], dtype=np.int64), lens)
+        return _plan(slot_rows, rows, blocks, group, np.full(len(jobs), -1, dtype=np.int64))
+    job = np.repeat(owners, lens)
     if len(jobs) < 1 << 15 and int(rows.max()) < 1 << 40 and int(group.max()) < 1 << 8:
         # one int64 sort key: job, then group, then host row
         order = np.argsort((job << 48) | (group << 40) | rows, kind="stable")
@@ -145,49 +169,23 @@ def plan_batch(jobs: Sequence[CopyJob], slot_rows: int) -> BatchPlan:
     last = np.concatenate((np.flatnonzero(job[1:] != job[:-1]), [n - 1]))
     job_piece = np.full(len(jobs), -1, dtype=np.int64)
     job_piece[job[last]] = piece[last]
-    return BatchPlan(
-        slot_rows=slot_rows,
-        host_rows=rows,
-        dev_blocks=blocks,
-        groups=group,
-        runs_host=rows[starts],
-        runs_pos=starts.astype(np.int64),
-        runs_len=(ends - starts).astype(np.int64),
-        run_bounds=run_bounds.astype(np.int64),
-        job_piece=job_piece,
+    runs = (
+        rows[starts],
+        starts.astype(np.int64),
+        (ends - starts).astype(np.int64),
+        run_bounds.astype(np.int64),
     )
+    return _plan(slot_rows, rows, blocks, group, job_piece, runs)
 
 
 def plan_rows(jobs: Sequence[CopyJob]) -> BatchPlan:
     """``jobs`` (already checked) as one piece in submission order, without runs: the
     direct path's plan (its kernel reaches every host row itself, so neither the order of
     host rows nor their runs matter)."""
-    parts = [(j, p) for j, job in enumerate(jobs) for p in job.parts]
-    empty = np.zeros(0, dtype=np.int64)
+    blocks, rows, group, owners, lens = _batch_rows(jobs)
     job_piece = np.full(len(jobs), -1, dtype=np.int64)
-    if parts:
-        lens = np.fromiter((len(p.device_blocks) for _, p in parts), np.int64, len(parts))
-        owners = np.fromiter((j for j, _ in parts), np.int64, len(parts))
-        job_piece[owners[lens > 0]] = 0
-        blocks = np.concatenate([p.device_blocks for _, p in parts])
-        rows = np.concatenate([p.host_rows for _, p in parts])
-        if len({p.group for _, p in parts}) == 1:
-            group = np.full(len(rows), parts[0][1].group, dtype=np.int64)
-        else:
-            group = np.repeat(np.fromiter((p.group for _, p in parts), np.int64, len(parts)), lens)
-    else:
-        blocks = rows = group = empty
-    return BatchPlan(
-        slot_rows=max(1, len(rows)),
-        host_rows=rows,
-        dev_blocks=blocks,
-        groups=group,
-        runs_host=empty,
-        runs_pos=empty,
-        runs_len=empty,
-        run_bounds=np.zeros(1, dtype=np.int64),
-        job_piece=job_piece,
-    )
+    job_piece[owners[lens > 0]] = 0
+    return _plan(max(1, len(rows)), rows, blocks, group, job_piece)
 
 
 @attrs.frozen(kw_only=True)
