@@ -50,7 +50,7 @@ of five runs of one session: staged store / load 0.96 / 0.98 of DMA at 32 KiB pa
 (vLLM's way itself varied from run to run: 33-54 GB/s at 32 KiB); both ways at once 0.91
 / 0.67 of the two-way limit; direct 0.94 / 0.91 and 0.91 / 0.88; matrix products beside
 the copies 1.02x as long (staged), 3.6x (direct), 2.1x (direct, one program per page; over
-the five runs 1.02-1.04x, 3.1-4.3x, 2.0-2.3x); a staged 2 GiB step batch held the calling
+the five runs 0.97-1.04x, 3.1-4.3x, 2.0-2.3x); a staged 2 GiB step batch held the calling
 thread 6.0 ms (64 pieces), a 192 MiB one 1.4 ms, direct 0.9 / 0.3 ms; ``Ferry``'s loop lag
 4.1 ms at p99 (4.7 at worst), its stores and loads 0.65 / 0.75 of DMA (over the runs
 1.8-4.3 ms and 0.56-0.86 / 0.60-0.89); a pinned 32 GiB pool 5.5 s (huge pages, now the

@@ -30,7 +30,7 @@ themselves (pinned memory is mapped into the device's address space), with no st
 memory and no DMA. It needs the least CPU per batch and reaches the link at small pages,
 but its programs hold multiprocessors while they wait on the link: measured on an H200,
 bf16 matrix products beside it ran 3.1-4.3x as long (2.0-2.3x with one program per
-page), beside staged copies 1.02-1.04x (``benchmarks/transfer_cuda.py``). So it is for
+page), beside staged copies 0.97-1.04x (``benchmarks/transfer_cuda.py``). So it is for
 hosts where copies rarely overlap compute.
 
 Ordering against the engine's compute: the caller captures a :class:`ComputeMark` on
