@@ -19,6 +19,7 @@ An unknown name is an error on both sides, in two strengths:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Literal
 
@@ -208,14 +209,17 @@ def metric(full_name: str) -> Metric:
         raise UnknownMetricError(full_name) from None
 
 
+@functools.cache
+def _full_name(kind: Kind, name: str) -> str:
+    m = BY_FULL_NAME.get(PREFIX + name)
+    if m is None or m.kind != kind:
+        raise UnknownMetricError(PREFIX + name)
+    return m.full_name
+
+
 def _values(kind: Kind, values: Mapping[str, float]) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for name, value in values.items():
-        m = BY_FULL_NAME.get(PREFIX + name)
-        if m is None or m.kind != kind:
-            raise UnknownMetricError(PREFIX + name)
-        out[m.full_name] = value
-    return out
+    # Each name is checked against the table once (the scheduler reports every step).
+    return {_full_name(kind, name): value for name, value in values.items()}
 
 
 def counter_values(**values: float) -> dict[str, float]:

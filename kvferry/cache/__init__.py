@@ -33,6 +33,8 @@ from ._messages import Drain as Drain
 from ._messages import EndDemotions as EndDemotions
 from ._messages import EvictorMsg as EvictorMsg
 from ._messages import EvictSome as EvictSome
+from ._messages import Fact as Fact
+from ._messages import Facts as Facts
 from ._messages import GetStatistics as GetStatistics
 from ._messages import Lease as Lease
 from ._messages import Lookup as Lookup
@@ -75,6 +77,8 @@ __all__ = [
     "EndDemotions",
     "EventBuffer",
     "EvictSome",
+    "Fact",
+    "Facts",
     "EvictionPolicy",
     "EvictorActor",
     "EvictorMsg",

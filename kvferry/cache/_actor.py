@@ -43,6 +43,8 @@ from ._messages import (
     EndDemotions,
     EvictorMsg,
     EvictSome,
+    Fact,
+    Facts,
     GetStatistics,
     Lease,
     Lookup,
@@ -101,25 +103,18 @@ class DirectoryActor(Actor[DirectoryMsg]):
                 reply.set(d.ready(keys))
             case LookupAndPin(keys=keys, each=each, reply=reply):
                 reply.set(self._lookup_and_pin(keys, each))
-            case Unpin(slots=slots):
-                d.unpin(slots)
-                self._check_room()
+            case Unpin() | CompleteLoad() | CompleteStore() | Touch() | EndDemotions():
+                self._apply(msg)
+            case Facts(facts=facts):
+                self._apply_all(facts)
             case PrepareLoad(keys=keys, release=release, reply=reply):
                 pinned = d.prepare_load(keys)
                 if len(release):
                     d.unpin(release)
                 reply.set(pinned)
-            case CompleteLoad(slots=slots):
-                d.complete_load(slots)
-                self._check_room()
             case PrepareStore(keys=keys, admit=admit, reply=reply):
                 reply.set(d.prepare_store(keys, admit=admit))
                 self._check_room()
-            case CompleteStore(slots=slots, ok=ok, pin=pin):
-                d.complete_store(slots, ok, pin)  # stored blocks can be evicted from now on
-                self._check_room()
-            case Touch(keys=keys):
-                d.touch(keys)
             case ClearAll(reply=reply):
                 reply.set(d.clear())
             case ResetCache(reply=reply):
@@ -129,9 +124,6 @@ class DirectoryActor(Actor[DirectoryMsg]):
             case TakeDemotions(reply=reply):
                 taken, demoted = d.take_demotions()
                 reply.set(Demotions(slots=taken, keys=tuple(demoted)))
-            case EndDemotions(slots=slots):
-                d.end_demotions(slots)
-                self._check_room()
             case TakeEvents(reply=reply):
                 reply.set(await self._take_events())
                 return
@@ -142,6 +134,37 @@ class DirectoryActor(Actor[DirectoryMsg]):
             case _:
                 assert_never(msg)
         await self._publish()
+
+    def _apply(self, msg: Fact) -> None:
+        d = self.directory
+        match msg:
+            case Unpin(slots=slots):
+                d.unpin(slots)
+            case CompleteLoad(slots=slots):
+                d.complete_load(slots)
+            case CompleteStore(slots=slots, ok=ok, pin=pin):
+                d.complete_store(slots, ok, pin)  # stored blocks can be evicted from now on
+            case Touch(keys=keys):
+                d.touch(keys)
+                return
+            case EndDemotions(slots=slots):
+                d.end_demotions(slots)
+            case _:
+                assert_never(msg)
+        self._check_room()
+
+    def _apply_all(self, facts: tuple[Fact, ...]) -> None:
+        """Each in order; one that fails does not stop the others (each would have been a
+        message of its own), and the first failure is raised at the end (supervised as a
+        failed tell)."""
+        error: Exception | None = None
+        for fact in facts:
+            try:
+                self._apply(fact)
+            except Exception as exc:
+                error = error or exc
+        if error is not None:
+            raise error
 
     def _lookup_and_pin(self, keys: tuple[Key, ...], each: bool) -> Lease:
         d = self.directory

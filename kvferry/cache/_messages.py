@@ -200,6 +200,20 @@ class GetStatistics:
     reply: Reply[DirectoryStatistics] = attrs.field(eq=False, repr=False)
 
 
+Fact: TypeAlias = Unpin | CompleteLoad | CompleteStore | Touch | EndDemotions
+"""A tell the connector may hold back and send in a :class:`Facts` batch."""
+
+
+@attrs.frozen(kw_only=True)
+class Facts:
+    """Tells the connector gathered since its last message to the directory, in order:
+    one message (one mailbox entry, one turn of the actor) instead of one each. The
+    connector sends it before its next ask, so the directory answers after all of them,
+    as if they had come one by one."""
+
+    facts: tuple[Fact, ...]
+
+
 DirectoryMsg: TypeAlias = (
     Lookup
     | LookupEach
@@ -218,6 +232,7 @@ DirectoryMsg: TypeAlias = (
     | EndDemotions
     | AttachEvictor
     | GetStatistics
+    | Facts
 )
 
 

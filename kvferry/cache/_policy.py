@@ -22,13 +22,13 @@ task only.
 from __future__ import annotations
 
 import importlib
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
 
 from .._errors import ConfigError
-from ._recency import Evictable, RecencyLists
+from ._recency import Evictable, OrderedRecency, RecencyLists
 
 I64 = npt.NDArray[np.int64]
 Mask = npt.NDArray[np.bool_]
@@ -87,22 +87,31 @@ class EvictionPolicy(Protocol):
 
 
 class LRUPolicy:
-    """Least recently used, exact: one :class:`~kvferry.cache._recency.RecencyLists` list.
+    """Least recently used, exact.
 
     A store, a reuse and a touch make a block the most recent (a batch's head newest).
-    :meth:`victims` reads the list from its old end: O(evicted), plus the pinned blocks it
-    meets there (kept in place for the next eviction), whatever the capacity.
+    :meth:`victims` reads the order from its old end: O(evicted), plus the pinned blocks
+    it meets there (kept in place for the next eviction), whatever the capacity. The
+    order lives in an :class:`~kvferry.cache._recency.OrderedRecency` (an ``OrderedDict``,
+    the cheapest per step), or with ``compact`` in a one-list
+    :class:`~kvferry.cache._recency.RecencyLists` (numpy, 13 bytes a slot, for a
+    directory of millions of slots); both give the same victims.
     """
 
     name = "lru"
     uses_tags = False
 
-    def __init__(self, capacity: int) -> None:
-        self._lru = RecencyLists(capacity)
+    def __init__(self, capacity: int, *, compact: bool = False) -> None:
+        self._log = RecencyLists(capacity) if compact else None
+        self._od = None if compact else OrderedRecency()
         self._victims = 0
 
     def admit(self, slots: I64, tags: I64) -> None:
-        self._lru.enter(slots, 1)
+        if self._od is not None:
+            self._od.enter(slots)
+        else:
+            assert self._log is not None
+            self._log.enter(slots, 1)
 
     def reuse(self, slots: I64) -> None:
         # Not stamped here: a request's blocks are offered (and loaded) tail after head,
@@ -112,21 +121,44 @@ class LRUPolicy:
         pass
 
     def touch(self, slots: I64) -> None:
-        self._lru.refresh(slots)
+        if self._od is not None:
+            self._od.refresh(slots)
+        else:
+            assert self._log is not None
+            self._log.refresh(slots)
 
     def store_miss(self, tags: I64) -> None:
         pass
 
     def victims(self, n: int, evictable: Evictable, tags: I64) -> I64:
-        out = self._lru.pop(1, n, evictable)
+        if self._od is not None:
+            out = self._od.pop(n, evictable)
+        else:
+            assert self._log is not None
+            out = self._log.pop(1, n, evictable)
         self._victims += len(out)
         return out
 
     def forget(self, slots: I64) -> None:
-        self._lru.remove(slots)
+        if self._od is not None:
+            self._od.remove(slots)
+        else:
+            assert self._log is not None
+            self._log.remove(slots)
+
+    def order(self) -> I64:
+        """Resident slots, the next victim first (for tests)."""
+        if self._od is not None:
+            return self._od.order()
+        assert self._log is not None
+        return self._log.order(1)
 
     def clear(self) -> None:
-        self._lru.clear()
+        if self._od is not None:
+            self._od.clear()
+        else:
+            assert self._log is not None
+            self._log.clear()
 
     def statistics(self) -> dict[str, float]:
         return {"victims": self._victims}
@@ -139,9 +171,13 @@ def builtin_policies() -> dict[str, type[EvictionPolicy]]:
     return {"lru": LRUPolicy, "arc": ARCPolicy, "s3fifo": S3FIFOPolicy}
 
 
-def make_policy(spec: str | EvictionPolicy, capacity: int) -> EvictionPolicy:
+def make_policy(
+    spec: str | EvictionPolicy, capacity: int, *, compact: bool = False
+) -> EvictionPolicy:
     """A policy from ``spec``: a built-in name (``"lru"``, ``"arc"``, ``"s3fifo"``), an
     import path ``"package.module:Class"`` (built with ``Class(capacity)``), or an instance.
+    ``compact``: the built-in LRU keeps its order in numpy (for a directory of millions
+    of slots) rather than in an ``OrderedDict``.
 
     Raises :class:`~kvferry.ConfigError` (key ``eviction_policy``) naming what is wrong.
     """
@@ -167,7 +203,10 @@ def make_policy(spec: str | EvictionPolicy, capacity: int) -> EvictionPolicy:
             raise ConfigError("eviction_policy", f"{spec!r} is not a class")
         cls = found
     try:
-        policy = cls(capacity)  # type: ignore[call-arg]
+        if cls is LRUPolicy:
+            policy: Any = LRUPolicy(capacity, compact=compact)
+        else:
+            policy = cls(capacity)  # type: ignore[call-arg]
     except Exception as exc:
         raise ConfigError("eviction_policy", f"{spec!r}({capacity}) failed: {exc!r}") from exc
     if not isinstance(policy, EvictionPolicy):

@@ -27,7 +27,9 @@ from its owner's task only.
 
 from __future__ import annotations
 
+from collections import OrderedDict, deque
 from collections.abc import Callable
+from itertools import compress, islice, repeat
 
 import numpy as np
 import numpy.typing as npt
@@ -264,3 +266,70 @@ class RecencyLists:
     @property
     def nbytes(self) -> int:
         return self.member.nbytes + self._pos.nbytes + sum(log.buf.nbytes for log in self._logs)
+
+
+class OrderedRecency:
+    """One recency list in an ``OrderedDict`` of slots, oldest first: LRU's order where
+    the directory is tuned for CPU (``index="dict"``, the host tier).
+
+    The same answers as a one-list :class:`RecencyLists` (tests hold both to one order),
+    at a fraction of its cost for the batches a step brings (a request's few dozen
+    blocks): no numpy call to record, one ``move_to_end`` per slot in C, and
+    :meth:`pop` reads candidates off the old end, so a store's inline eviction of a dozen
+    blocks costs a few µs where the log's replay and pop cost a few dozen numpy calls.
+    O(1) per slot recorded, O(evicted + refused) per pop, whatever the capacity. About
+    100 bytes a slot (a node and a dict entry), where the log's ``2 * 4 + 5`` suit a
+    directory of millions of slots (``index="compact"``).
+
+    Who owns what: like :class:`RecencyLists`, one policy's, called from its task only.
+    """
+
+    def __init__(self) -> None:
+        self._od: OrderedDict[int, None] = OrderedDict()
+
+    def enter(self, slots: I64) -> None:
+        """``slots`` become the newest, the batch's head newest (a slot given twice keeps
+        its first place)."""
+        order = slots.tolist()[::-1]
+        od = self._od
+        deque(map(od.__setitem__, order, repeat(None)), 0)
+        deque(map(od.move_to_end, order), 0)
+
+    def refresh(self, slots: I64) -> None:
+        """``slots`` that are in the list become its newest, the batch's head newest."""
+        od = self._od
+        deque(map(od.move_to_end, filter(od.__contains__, slots.tolist()[::-1])), 0)
+
+    def pop(self, n: int, evictable: Evictable) -> I64:
+        """Up to ``n`` of the oldest slots ``evictable`` accepts, oldest first; they leave
+        the list. The refused ones keep their place (the next pop meets them again)."""
+        od = self._od
+        out: list[int] = []
+        skip = 0
+        while len(out) < n and skip < len(od):
+            need = n - len(out)
+            cand = list(islice(od, skip, skip + max(2 * need, 32)))
+            ok = np.asarray(evictable(np.array(cand, np.int64)), np.bool_).tolist()
+            took = list(compress(cand, ok))[:need]
+            if len(took) == need:  # stop right after the need-th: the rest stays
+                skip += cand.index(took[-1]) + 1 - need
+            else:
+                skip += len(cand) - len(took)
+            out.extend(took)
+            deque(map(od.__delitem__, took), 0)
+        return np.array(out, np.int64)
+
+    def remove(self, slots: I64) -> None:
+        """``slots`` leave the list (a slot not in it is ignored)."""
+        od = self._od
+        deque(map(od.pop, slots.tolist(), repeat(None)), 0)
+
+    def order(self) -> I64:
+        """The slots, oldest first."""
+        return np.array(list(self._od), np.int64)
+
+    def __len__(self) -> int:
+        return len(self._od)
+
+    def clear(self) -> None:
+        self._od.clear()

@@ -22,8 +22,10 @@ sliding-window block while its request still runs; a store still reading one is 
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Callable, Iterable
+from itertools import repeat
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -42,6 +44,8 @@ from ..cache import (
     DirectoryMsg,
     DirectoryStatistics,
     EndDemotions,
+    Fact,
+    Facts,
     GetStatistics,
     Lease,
     LookupAndPin,
@@ -207,6 +211,8 @@ class SchedulerSide:
         self._dir_stats_at = 0.0
         self._reported: dict[str, float] = {}
         self._reported_gauges: dict[str, float] = {}
+        # What the last report was built from (host tier only): the same again is no news.
+        self._reported_from: tuple[dict[str, Any], DirectoryStatistics | None] = ({}, None)
         self._stale_jobs: set[int] = set()
         self._fences: dict[int, set[int]] = {}
         """Engine block id -> store jobs still reading it (sliding-window groups)."""
@@ -217,6 +223,8 @@ class SchedulerSide:
         """Loads ended at their deadline whose workers have not all reported yet."""
         self._pending_failed_loads: list[int] = []
         self._leases: dict[str, npt.NDArray[np.int64]] = {}
+        # Tells to the directory held back until the next message to it (one Facts).
+        self._facts: list[Fact] = []
         """Request -> the slots its last lookup pinned, until its blocks are allocated (or
         this schedule pass ends without it)."""
         num_slots = self.geometry.num_slots
@@ -297,17 +305,29 @@ class SchedulerSide:
         built = len(keys) // G
         if end > built:
             hpc = self.geometry.hashes_per_chunk
-            hashes = request.block_hashes
-            for c in range(built, end):
-                h = bytes(hashes[(c + 1) * hpc - 1])
-                keys.extend([h + suffix for suffix in self._group_suffixes])
+            # A chunk's hash is its last block's.
+            hashes = map(bytes, request.block_hashes[(built + 1) * hpc - 1 : end * hpc : hpc])
+            suffixes = self._group_suffixes
+            if len(suffixes) == 1:
+                keys.extend(map(operator.add, hashes, repeat(suffixes[0])))
+            else:
+                keys.extend([h + suffix for h in hashes for suffix in suffixes])
         return keys[first * G : end * G]
 
     def _num_keyed_chunks(self, request: Request) -> int:
         return len(request.block_hashes) // self.geometry.hashes_per_chunk
 
     def _ask(self, make: Any) -> Any:
+        if self._facts:
+            self._send_facts()
         return self.runtime.call(self.directory.ask, make)
+
+    def _send_facts(self) -> None:
+        """The tells held back, in order, as one message (before any ask, and at the end
+        of each schedule pass): the directory sees them before it answers anything."""
+        facts, self._facts = self._facts, []
+        msg: DirectoryMsg = facts[0] if len(facts) == 1 else Facts(facts=tuple(facts))
+        self.runtime.call(self.directory.tell, msg)
 
     # -- vLLM calls --------------------------------------------------------------------
 
@@ -738,11 +758,17 @@ class SchedulerSide:
         self._c["stores_fenced"] += len(flush)
 
         plans = []
+        reqs, ct, decoded = self._reqs, self.geometry.chunk_tokens, self.cfg.store_decoded
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
-            st = self._reqs.get(req_id)
+            st = reqs.get(req_id)
             if st is None:
                 continue
-            computed_after = st.request.num_computed_tokens + n
+            request = st.request
+            computed_after = request.num_computed_tokens + n
+            # Most requests decode with every chunk they can store stored: no call for them.
+            tokens = computed_after if decoded else min(computed_after, request.num_prompt_tokens)
+            if tokens // ct <= st.stored_upto:
+                continue
             plan = self._plan_store(st, computed_after, st.block_ids)
             if plan is not None:
                 plans.append(plan)
@@ -766,6 +792,8 @@ class SchedulerSide:
             meta.disk_deletes = self.disk.take_deletes()
             meta.disk_writes, self._pending_disk_writes = self._pending_disk_writes, []
         meta.redis_writes = meta_redis_writes
+        if self._facts:
+            self._send_facts()
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
@@ -828,6 +856,11 @@ class SchedulerSide:
             self._dir_dirty = False
         d = self._dir_stats
         c = self._c
+        if self.disk is None and self.redis is None:
+            seen_c, seen_d = self._reported_from
+            if d is seen_d and c == seen_c:
+                return None  # no counter moved and the gauges are those reported
+            self._reported_from = (dict(c), d)
         now = counter_values(
             tokens_looked_up=c["tokens_looked_up"],
             tokens_hit=c["tokens_hit"],
@@ -955,6 +988,8 @@ class SchedulerSide:
         self.trace.close_all()
         if self._provider is not None:
             self._provider.shutdown()
+        if self._facts:
+            self._send_facts()
         self.runtime.close()
         if self.redis is not None:
             self.redis.close()
@@ -1037,8 +1072,9 @@ class SchedulerSide:
                 )
             )
 
-    def directory_tell(self, msg: DirectoryMsg) -> None:
-        self.runtime.call(self.directory.tell, msg)
+    def directory_tell(self, msg: Fact) -> None:
+        """Tell the directory ``msg``, with the next message to it (:meth:`_send_facts`)."""
+        self._facts.append(msg)
 
     def _unpin(self, slots: npt.NDArray[np.int64]) -> None:
         if len(slots):

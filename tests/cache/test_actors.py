@@ -16,6 +16,7 @@ from kvferry.cache import (
     CompleteLoad,
     CompleteStore,
     DirectoryActor,
+    Facts,
     GetStatistics,
     Lookup,
     PrepareLoad,
@@ -23,6 +24,7 @@ from kvferry.cache import (
     ResetCache,
     TakeEvents,
     Touch,
+    Unpin,
     spawn_host_tier,
 )
 from kvferry.cache._testing import key as k
@@ -115,3 +117,31 @@ async def test_shutdown_with_a_full_tier_and_stores_in_flight_is_clean_and_quiet
     assert report.clean, report
     assert system.failures == {}
     assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+async def test_facts_are_applied_in_order_as_one_message() -> None:
+    async with ActorSystem() as system:
+        ref = await system.spawn(DirectoryActor(4))
+        slots = await ref.ask(lambda r: PrepareStore(keys=(k(1), k(2)), reply=r))
+        # The store completes, then its first block is loaded and touched: in this order
+        # only (a load of a block still being stored finds nothing to pin).
+        await ref.tell(Facts(facts=(CompleteStore(slots=slots, ok=True), Touch(keys=(k(1),)))))
+        pinned = await ref.ask(lambda r: PrepareLoad(keys=(k(1), k(2)), reply=r))
+        assert pinned is not None and pinned.tolist() == slots.tolist()
+        await ref.tell(Facts(facts=(CompleteLoad(slots=pinned[:1]), Unpin(slots=pinned[1:]))))
+        stats = await ref.ask(GetStatistics)
+        assert (stats.ready, stats.pinned, stats.loads_completed) == (2, 0, 1)
+        assert ref.statistics().messages_handled == 5  # four facts in two messages
+
+
+async def test_a_fact_that_fails_does_not_stop_the_others(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async with ActorSystem() as system:
+        ref = await system.spawn(DirectoryActor(4))
+        slots = await ref.ask(lambda r: PrepareStore(keys=(k(1),), reply=r))
+        bad = Touch(keys=None)  # type: ignore[arg-type]  # no keys at all: touch raises
+        with caplog.at_level(logging.ERROR):
+            await ref.tell(Facts(facts=(bad, CompleteStore(slots=slots, ok=True))))
+            assert await ref.ask(lambda r: Lookup(keys=(k(1),), reply=r)) == 1
+        assert ref.statistics().restarts == 1  # supervised once, as a failed tell

@@ -143,3 +143,52 @@ def test_recency_lists_compact_a_log_of_stale_entries() -> None:
     assert len(lists._logs[1].buf) <= 64 and lists.order(1).tolist() == [0, 1, 2, 3]
     assert lists.pop(1, 3, evictable_except(1)).tolist() == [0, 2, 3]
     assert lists.order(1).tolist() == [1]
+
+
+def test_ordered_recency_gives_the_recency_log_s_victims() -> None:
+    """The host tier's LRU order (an OrderedDict) and the compact one (numpy logs) take
+    the same victims through every kind of call, refused candidates included."""
+    from kvferry.cache._recency import OrderedRecency
+
+    rng = np.random.default_rng(7)
+    cap = 64
+    od, log = OrderedRecency(), RecencyLists(cap, 1, initial=16)
+    resident: set[int] = set()
+    for _ in range(3000):
+        op = rng.integers(0, 4)
+        if op == 0:  # admit slots in no list, a batch's head newest
+            free = np.array(sorted(set(range(cap)) - resident), np.int64)
+            batch = rng.permutation(free)[: rng.integers(0, 9)] if len(free) else free
+            od.enter(batch)
+            log.enter(batch, 1)
+            resident.update(batch.tolist())
+        elif op == 1:  # touch: some resident, some not, a repeat
+            batch = rng.integers(0, cap, size=int(rng.integers(0, 12)))
+            od.refresh(batch)
+            log.refresh(batch)
+        elif op == 2:  # evict, some candidates refused (pinned)
+            refused = rng.integers(0, cap, size=int(rng.integers(0, 6)))
+            n = int(rng.integers(0, 10))
+            a = od.pop(n, evictable_except(*refused.tolist()))
+            b = log.pop(1, n, evictable_except(*refused.tolist()))
+            assert a.tolist() == b.tolist()
+            resident.difference_update(a.tolist())
+        else:  # forget some (distinct, as the directory hands them)
+            batch = np.unique(rng.integers(0, cap, size=int(rng.integers(0, 4))))
+            od.remove(batch)
+            log.remove(batch)
+            resident.difference_update(batch.tolist())
+        assert od.order().tolist() == log.order(1).tolist()
+    assert len(od) == log.size(1) == len(resident)
+
+
+@pytest.mark.parametrize("compact", [False, True])
+def test_lru_victims_are_the_same_in_either_order(compact: bool) -> None:
+    lru = make_policy("lru", 6, compact=compact)
+    assert isinstance(lru, LRUPolicy)
+    lru.admit(np.array([2, 1, 0]), np.zeros(3, np.int64))
+    lru.touch(np.array([1]))
+    lru.admit(np.array([4, 3]), np.zeros(2, np.int64))
+    assert lru.order().tolist() == [0, 2, 1, 3, 4]
+    assert lru.victims(2, evictable_except(0), np.zeros(0, np.int64)).tolist() == [2, 1]
+    assert lru.order().tolist() == [0, 3, 4]
