@@ -110,7 +110,11 @@ class Directory:
         check_store_threshold(store_threshold)
         self.num_slots = num_slots
         self.low, self.high = check_watermarks(watermarks)
-        self.policy = make_policy(policy, num_slots, compact=index == "compact")
+        # LRU's order: an OrderedDict where a store evicts its few blocks inline (the
+        # connector's watermarks (1, 1)); numpy logs for the evictor's large batches and
+        # for the compact index's millions of slots.
+        inline = self.high >= 1.0 and index == "dict"
+        self.policy = make_policy(policy, num_slots, lru_order="dict" if inline else "log")
         self.store_threshold = store_threshold
         self._admission = (
             AdmissionFilter(store_threshold, tracker_size) if store_threshold > 1 else None

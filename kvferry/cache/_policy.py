@@ -22,13 +22,15 @@ task only.
 from __future__ import annotations
 
 import importlib
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
 
 from .._errors import ConfigError
 from ._recency import Evictable, OrderedRecency, RecencyLists
+
+LRUOrder = Literal["dict", "log"]
 
 I64 = npt.NDArray[np.int64]
 Mask = npt.NDArray[np.bool_]
@@ -91,19 +93,23 @@ class LRUPolicy:
 
     A store, a reuse and a touch make a block the most recent (a batch's head newest).
     :meth:`victims` reads the order from its old end: O(evicted), plus the pinned blocks
-    it meets there (kept in place for the next eviction), whatever the capacity. The
-    order lives in an :class:`~kvferry.cache._recency.OrderedRecency` (an ``OrderedDict``,
-    the cheapest per step), or with ``compact`` in a one-list
-    :class:`~kvferry.cache._recency.RecencyLists` (numpy, 13 bytes a slot, for a
-    directory of millions of slots); both give the same victims.
+    it meets there (kept in place for the next eviction), whatever the capacity.
+
+    ``order``: ``"dict"``, an :class:`~kvferry.cache._recency.OrderedRecency` (an
+    ``OrderedDict``: the cheapest for a step's few dozen blocks, a store evicting inline),
+    or ``"log"``, a one-list :class:`~kvferry.cache._recency.RecencyLists` (numpy: the
+    cheapest in large batches, an evictor's, and 13 bytes a slot, for a directory of
+    millions of slots). Both give the same victims.
     """
 
     name = "lru"
     uses_tags = False
 
-    def __init__(self, capacity: int, *, compact: bool = False) -> None:
-        self._log = RecencyLists(capacity) if compact else None
-        self._od = None if compact else OrderedRecency()
+    def __init__(self, capacity: int, *, order: LRUOrder = "dict") -> None:
+        if order not in ("dict", "log"):
+            raise ValueError(f'order must be "dict" or "log", got {order!r}')
+        self._log = RecencyLists(capacity) if order == "log" else None
+        self._od = OrderedRecency() if order == "dict" else None
         self._victims = 0
 
     def admit(self, slots: I64, tags: I64) -> None:
@@ -172,12 +178,11 @@ def builtin_policies() -> dict[str, type[EvictionPolicy]]:
 
 
 def make_policy(
-    spec: str | EvictionPolicy, capacity: int, *, compact: bool = False
+    spec: str | EvictionPolicy, capacity: int, *, lru_order: LRUOrder = "dict"
 ) -> EvictionPolicy:
     """A policy from ``spec``: a built-in name (``"lru"``, ``"arc"``, ``"s3fifo"``), an
     import path ``"package.module:Class"`` (built with ``Class(capacity)``), or an instance.
-    ``compact``: the built-in LRU keeps its order in numpy (for a directory of millions
-    of slots) rather than in an ``OrderedDict``.
+    ``lru_order``: where the built-in LRU keeps its order (:class:`LRUPolicy`).
 
     Raises :class:`~kvferry.ConfigError` (key ``eviction_policy``) naming what is wrong.
     """
@@ -204,7 +209,7 @@ def make_policy(
         cls = found
     try:
         if cls is LRUPolicy:
-            policy: Any = LRUPolicy(capacity, compact=compact)
+            policy: Any = LRUPolicy(capacity, order=lru_order)
         else:
             policy = cls(capacity)  # type: ignore[call-arg]
     except Exception as exc:

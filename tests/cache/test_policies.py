@@ -182,9 +182,9 @@ def test_ordered_recency_gives_the_recency_log_s_victims() -> None:
     assert len(od) == log.size(1) == len(resident)
 
 
-@pytest.mark.parametrize("compact", [False, True])
-def test_lru_victims_are_the_same_in_either_order(compact: bool) -> None:
-    lru = make_policy("lru", 6, compact=compact)
+@pytest.mark.parametrize("order", ["dict", "log"])
+def test_lru_victims_are_the_same_in_either_order(order: str) -> None:
+    lru = make_policy("lru", 6, lru_order=order)  # type: ignore[arg-type]
     assert isinstance(lru, LRUPolicy)
     lru.admit(np.array([2, 1, 0]), np.zeros(3, np.int64))
     lru.touch(np.array([1]))
