@@ -526,8 +526,9 @@ def measure(
     if kf.moved.store_blocks != vl.moved.store_blocks and not s.store_decoded:
         notes.append(
             f"stored tokens differ (kvferry {kf.moved.store_blocks * args.block}, vLLM "
-            f"{vl.moved.store_blocks * args.block}): vLLM offloads prompt blocks only "
-            "(offload_prompt_only=True by default), kvferry every full block, decoded ones too"
+            f"{vl.moved.store_blocks * args.block}): both store prompt blocks only, but a "
+            "block a connector loaded or holds already is not stored again, so what each "
+            "stores follows what each hit"
         )
     if kf.host_blocks != vl.host_blocks:
         notes.append(
