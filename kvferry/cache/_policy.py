@@ -7,11 +7,12 @@ directory's). Policies see slots (ints in ``range(capacity)``) and per-key tags,
 int64 arrays, one call per batch — never one call per block.
 
 The hot path (:meth:`EvictionPolicy.admit`, :meth:`~EvictionPolicy.reuse`,
-:meth:`~EvictionPolicy.touch`, :meth:`~EvictionPolicy.store_miss`) only records, in O(1)
-numpy calls per batch; the work of choosing happens in :meth:`~EvictionPolicy.victims`,
-in O(evicted) for every built-in policy and any capacity: each keeps its order in
-structures that yield victims directly (the lazy recency logs of
-:mod:`~kvferry.cache._recency` for LRU and ARC, FIFO rings for S3-FIFO), so that an
+:meth:`~EvictionPolicy.touch`, :meth:`~EvictionPolicy.store_miss`) records, in O(1)
+numpy calls per batch (or, for LRU evicting inline, O(1) C calls per block); the work of
+choosing happens in :meth:`~EvictionPolicy.victims`, in O(evicted) for every built-in
+policy and any capacity: each keeps its order in structures that yield victims directly
+(:mod:`~kvferry.cache._recency`'s lazy recency logs for ARC, and for LRU in large
+batches; an ``OrderedDict`` for LRU evicting inline; FIFO rings for S3-FIFO), so that an
 eviction never passes over all slots — with watermarks (1, 1) every store that finds no
 free slot evicts, inline.
 
