@@ -34,7 +34,7 @@ import numpy.typing as npt
 
 from .. import traces
 from .._config import DiskTierConfig, FerryConfig, RedisTierConfig
-from .._errors import InvariantError
+from .._errors import ActorCrashed, ActorStopped, InvariantError
 from .._logging import get_logger
 from .._metrics import counter_values, gauge_values
 from ..actors import ActorRef, ActorSystem, start_runtime
@@ -223,10 +223,10 @@ class SchedulerSide:
         """Loads ended at their deadline whose workers have not all reported yet."""
         self._pending_failed_loads: list[int] = []
         self._leases: dict[str, npt.NDArray[np.int64]] = {}
-        # Tells to the directory held back until the next message to it (one Facts).
-        self._facts: list[Fact] = []
         """Request -> the slots its last lookup pinned, until its blocks are allocated (or
         this schedule pass ends without it)."""
+        self._facts: list[Fact] = []
+        """Tells to the directory held back until the next message to it (one Facts)."""
         num_slots = self.geometry.num_slots
 
         kv_events = getattr(vllm_config, "kv_events_config", None)
@@ -989,7 +989,10 @@ class SchedulerSide:
         if self._provider is not None:
             self._provider.shutdown()
         if self._facts:
-            self._send_facts()
+            try:
+                self._send_facts()
+            except (ActorCrashed, ActorStopped) as exc:  # the directory goes with the runtime
+                self._log.warning("facts_not_delivered_at_shutdown", error=repr(exc))
         self.runtime.close()
         if self.redis is not None:
             self.redis.close()
