@@ -37,6 +37,7 @@ from ._messages import Fact as Fact
 from ._messages import Facts as Facts
 from ._messages import GetStatistics as GetStatistics
 from ._messages import Lease as Lease
+from ._messages import LoadLeased as LoadLeased
 from ._messages import Lookup as Lookup
 from ._messages import LookupAndPin as LookupAndPin
 from ._messages import LookupEach as LookupEach
@@ -88,6 +89,7 @@ __all__ = [
     "Key",
     "LRUPolicy",
     "Lease",
+    "LoadLeased",
     "Lookup",
     "LookupAndPin",
     "LookupEach",

@@ -5,8 +5,9 @@ Who owns what:
 - :class:`DirectoryActor` owns the :class:`~kvferry.cache.Directory` (keys, slots, pins,
   the policy, admission). The scheduler-side facade asks ``LookupAndPin`` (a lookup
   that leases its hit until the engine allocates blocks for it) / ``PrepareLoad`` /
-  ``PrepareStore`` on the engine thread's calls and tells ``Unpin`` / ``CompleteLoad`` /
-  ``CompleteStore`` / ``Touch`` when leases, jobs and requests end.
+  ``PrepareStore`` on the engine thread's calls and tells ``Unpin`` / ``LoadLeased`` /
+  ``CompleteLoad`` / ``CompleteStore`` / ``Touch`` when leases, jobs and requests end
+  (gathered in one ``Facts`` before its next ask).
   Nothing else touches the directory; its state is the truth and is kept across restarts.
 - :class:`EvictorActor` owns only its pacing. Told ``RoomLow`` by the directory when a
   store pushed occupancy past the high watermark, it asks the directory to ``EvictSome``
@@ -47,6 +48,7 @@ from ._messages import (
     Facts,
     GetStatistics,
     Lease,
+    LoadLeased,
     Lookup,
     LookupAndPin,
     LookupEach,
@@ -103,7 +105,9 @@ class DirectoryActor(Actor[DirectoryMsg]):
                 reply.set(d.ready(keys))
             case LookupAndPin(keys=keys, each=each, reply=reply):
                 reply.set(self._lookup_and_pin(keys, each))
-            case Unpin() | CompleteLoad() | CompleteStore() | Touch() | EndDemotions():
+            case (
+                Unpin() | LoadLeased() | CompleteLoad() | CompleteStore() | Touch() | EndDemotions()
+            ):
                 self._apply(msg)
             case Facts(facts=facts):
                 self._apply_all(facts)
@@ -140,6 +144,9 @@ class DirectoryActor(Actor[DirectoryMsg]):
         match msg:
             case Unpin(slots=slots):
                 d.unpin(slots)
+            case LoadLeased(slots=slots):
+                d.load_leased(slots)
+                return
             case CompleteLoad(slots=slots):
                 d.complete_load(slots)
             case CompleteStore(slots=slots, ok=ok, pin=pin):

@@ -223,6 +223,17 @@ class Directory:
         self.loads_prepared += len(out)
         return out
 
+    def load_leased(self, slots: I64) -> None:
+        """A load of slots a lookup leased (pinned): their pins become the load's, released
+        by :meth:`complete_load`. A load is a reuse: the policy counts it."""
+        st, pins = self._st, self._pn
+        held = [s for s in slots.tolist() if 0 <= s < self.num_slots and pins[s] > 0]
+        if len(held) < len(slots) or any(st[s] not in (READY, READY_DROPPED) for s in held):
+            # Not a lease (a bug elsewhere): the load still holds only pinned slots.
+            self._broken("load_of_slots_not_leased", "counted", slots=slots.tolist())
+        self.policy.reuse(slots)
+        self.loads_prepared += len(slots)
+
     def complete_load(self, slots: npt.ArrayLike) -> None:
         """Unpin the slots of a finished (or failed) load."""
         self.loads_completed += self.unpin(slots)

@@ -93,6 +93,15 @@ class PrepareLoad:
 
 
 @attrs.frozen(kw_only=True)
+class LoadLeased:
+    """A load of slots a :class:`LookupAndPin` leased: they stay pinned, now for the load
+    (released by :class:`CompleteLoad`); a reuse for the policy. What :class:`PrepareLoad`
+    does without an answer to wait for, when the lease holds exactly the load's keys."""
+
+    slots: npt.NDArray[np.int64] = attrs.field(converter=_i64, eq=False)
+
+
+@attrs.frozen(kw_only=True)
 class CompleteLoad:
     """A load finished (or failed): unpin its slots."""
 
@@ -200,7 +209,7 @@ class GetStatistics:
     reply: Reply[DirectoryStatistics] = attrs.field(eq=False, repr=False)
 
 
-Fact: TypeAlias = Unpin | CompleteLoad | CompleteStore | Touch | EndDemotions
+Fact: TypeAlias = Unpin | LoadLeased | CompleteLoad | CompleteStore | Touch | EndDemotions
 """A tell the connector may hold back and send in a :class:`Facts` batch."""
 
 
@@ -220,6 +229,7 @@ DirectoryMsg: TypeAlias = (
     | LookupAndPin
     | Unpin
     | PrepareLoad
+    | LoadLeased
     | CompleteLoad
     | PrepareStore
     | CompleteStore

@@ -48,6 +48,7 @@ from ..cache import (
     Facts,
     GetStatistics,
     Lease,
+    LoadLeased,
     LookupAndPin,
     PrepareLoad,
     PrepareStore,
@@ -586,7 +587,16 @@ class SchedulerSide:
         dmask = np.fromiter((k in from_disk for k in keys), np.bool_, len(keys))
         host_keys = [k for k, d in zip(keys, dmask.tolist(), strict=True) if not d]
         disk_keys = [k for k, d in zip(keys, dmask.tolist(), strict=True) if d]
-        found = self._ask(lambda r: PrepareLoad(keys=tuple(host_keys), release=release, reply=r))
+        if disk_lease is None and not geo.hybrid and len(release) >= len(host_keys):
+            # The lease pins the hit's leading keys in order, and the load takes its whole
+            # chunks: the first of the leased slots are the load's, already pinned.
+            found = release[: len(host_keys)]
+            self.directory_tell(LoadLeased(slots=found))
+            self._unpin(release[len(host_keys) :])
+        else:
+            found = self._ask(
+                lambda r: PrepareLoad(keys=tuple(host_keys), release=release, reply=r)
+            )
         if found is None:
             # The lookup's lease kept these keys READY since; only a reset in between
             # (which vLLM does not do inside one schedule pass) gets here.

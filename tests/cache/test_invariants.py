@@ -41,6 +41,18 @@ def test_completing_a_store_twice_changes_nothing(caplog: pytest.LogCaptureFixtu
     assert d.lookup([k(1)]) == 1 and d.used == 1
 
 
+def test_a_load_of_slots_no_lookup_leased_is_reported(caplog: pytest.LogCaptureFixture) -> None:
+    d = Directory(4)
+    slots = ready(d, k(1), k(2))
+    leased = d.lease([k(1)])
+    d.load_leased(leased)  # a lease: fine
+    assert d.invariant_errors == 0
+    d.load_leased(np.array([slots[1], 99], np.int64))  # never leased; no slot
+    assert d.invariant_errors == 1
+    assert "load_of_slots_not_leased" in caplog.text
+    assert d.statistics().pinned == 1  # nothing pinned by the bad call
+
+
 class _Greedy(LRUPolicy):
     """Offers every slot, evictable or not, twice."""
 

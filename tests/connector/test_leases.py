@@ -150,3 +150,22 @@ def test_a_finished_request_refreshes_the_recency_of_its_blocks(
         assert side._ask(lambda r: Lookup(keys=tuple(key(a, c) for c in range(4)), reply=r)) == 4
         others = tuple(key(other, c) for c in range(4))
         assert side._ask(lambda r: Lookup(keys=others, reply=r)) == 2  # its tail went
+
+
+def test_a_load_takes_its_lease_s_pins_without_asking_the_directory(small: Any) -> None:
+    """The lease pins the hit's keys in order: the load takes those slots as they are (no
+    PrepareLoad, no answer to wait for), counted a load, unpinned when it ends."""
+    a = request("a", 4 * BLOCK + 8)
+    slots = stored(small, [key(a, c) for c in range(4)])
+    small.on_new_request(a)
+    # The engine's own cache holds the first chunk: the hit is chunks 1-3.
+    assert small.get_num_new_matched_tokens(a, BLOCK) == (3 * BLOCK, True)
+    handled = small.directory.statistics().messages_handled
+    small.update_state_after_alloc(a, allocated([5, 6, 7, 8]), 3 * BLOCK)
+    assert small.directory.statistics().messages_handled == handled  # nothing asked
+    assert load_rows(small) == slots[1:]
+    stats = small._ask(GetStatistics)
+    assert (stats.pinned, stats.loads_prepared) == (3, 3)
+    [load] = small.build_connector_meta(step({}, {})).loads
+    small.update_connector_output(acked(load.copy.job_id))
+    assert pinned(small) == 0
