@@ -29,7 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._errors import ConfigError
-from ._recency import Evictable, OrderedRecency, RecencyLists
+from ._recency import Evictable, LogRecency, OrderedRecency
 
 LRUOrder = Literal["dict", "log"]
 
@@ -98,7 +98,7 @@ class LRUPolicy:
 
     ``order``: ``"dict"``, an :class:`~kvferry.cache._recency.OrderedRecency` (an
     ``OrderedDict``: the cheapest for a step's few dozen blocks, a store evicting inline),
-    or ``"log"``, a one-list :class:`~kvferry.cache._recency.RecencyLists` (numpy: the
+    or ``"log"``, a :class:`~kvferry.cache._recency.LogRecency` (one list of numpy logs: the
     cheapest in large batches, an evictor's, and 13 bytes a slot, for a directory of
     millions of slots). Both give the same victims.
     """
@@ -109,16 +109,11 @@ class LRUPolicy:
     def __init__(self, capacity: int, *, order: LRUOrder = "dict") -> None:
         if order not in ("dict", "log"):
             raise ValueError(f'order must be "dict" or "log", got {order!r}')
-        self._log = RecencyLists(capacity) if order == "log" else None
-        self._od = OrderedRecency() if order == "dict" else None
+        self._order = OrderedRecency() if order == "dict" else LogRecency(capacity)
         self._victims = 0
 
     def admit(self, slots: I64, tags: I64) -> None:
-        if self._od is not None:
-            self._od.enter(slots)
-        else:
-            assert self._log is not None
-            self._log.enter(slots, 1)
+        self._order.enter(slots)
 
     def reuse(self, slots: I64) -> None:
         # Not stamped here: a request's blocks are offered (and loaded) tail after head,
@@ -128,44 +123,25 @@ class LRUPolicy:
         pass
 
     def touch(self, slots: I64) -> None:
-        if self._od is not None:
-            self._od.refresh(slots)
-        else:
-            assert self._log is not None
-            self._log.refresh(slots)
+        self._order.refresh(slots)
 
     def store_miss(self, tags: I64) -> None:
         pass
 
     def victims(self, n: int, evictable: Evictable, tags: I64) -> I64:
-        if self._od is not None:
-            out = self._od.pop(n, evictable)
-        else:
-            assert self._log is not None
-            out = self._log.pop(1, n, evictable)
+        out = self._order.pop(n, evictable)
         self._victims += len(out)
         return out
 
     def forget(self, slots: I64) -> None:
-        if self._od is not None:
-            self._od.remove(slots)
-        else:
-            assert self._log is not None
-            self._log.remove(slots)
+        self._order.remove(slots)
 
     def order(self) -> I64:
         """Resident slots, the next victim first (for tests)."""
-        if self._od is not None:
-            return self._od.order()
-        assert self._log is not None
-        return self._log.order(1)
+        return self._order.order()
 
     def clear(self) -> None:
-        if self._od is not None:
-            self._od.clear()
-        else:
-            assert self._log is not None
-            self._log.clear()
+        self._order.clear()
 
     def statistics(self) -> dict[str, float]:
         return {"victims": self._victims}

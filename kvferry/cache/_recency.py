@@ -333,3 +333,32 @@ class OrderedRecency:
 
     def clear(self) -> None:
         self._od.clear()
+
+
+class LogRecency:
+    """One list of a :class:`RecencyLists` behind :class:`OrderedRecency`'s interface, so
+    that LRU holds either without asking which."""
+
+    def __init__(self, capacity: int) -> None:
+        self._lists = RecencyLists(capacity)
+
+    def enter(self, slots: I64) -> None:
+        self._lists.enter(slots, 1)
+
+    def refresh(self, slots: I64) -> None:
+        self._lists.refresh(slots)
+
+    def pop(self, n: int, evictable: Evictable) -> I64:
+        return self._lists.pop(1, n, evictable)
+
+    def remove(self, slots: I64) -> None:
+        self._lists.remove(slots)
+
+    def order(self) -> I64:
+        return self._lists.order(1)
+
+    def __len__(self) -> int:
+        return self._lists.size(1)
+
+    def clear(self) -> None:
+        self._lists.clear()
