@@ -10,7 +10,10 @@ Prints a table, then (last line) one JSON object:
 - ``sync_call_us_stepped`` / ``sync_call_us_thread``: median µs of one sync-facade call
   (``runtime.call(ref.ask, Get)``) to an actor that replies at once (targets ≤ 20 / ≤ 40),
   the median over trials of each trial's median; the spread over trials (min / median /
-  max) is printed below the table and given as ``*_spread``.
+  max) is printed below the table and given as ``*_spread``;
+- ``sync_call_us_stepped_now``: the same stepped call to an actor that names ``Get``
+  ``immediate`` (handled on the calling thread, without a loop iteration), against the
+  stepped call above.
 
 Every figure is measured in this run, each against its baseline in the same process;
 trials alternate between the two sides so that a noisy neighbour hits both alike.
@@ -63,6 +66,22 @@ class Counter(Actor[Msg]):
         self.total = 0
 
     async def handle(self, msg: Msg) -> None:
+        match msg:
+            case Add(n=n):
+                self.total += n
+            case Get(reply=reply):
+                reply.set(self.total)
+
+
+class NowCounter(Counter):
+    """Counter whose messages never await: the stepped runtime may handle them now."""
+
+    immediate = frozenset({Add, Get})
+
+    async def handle(self, msg: Msg) -> None:
+        self.handle_now(msg)
+
+    def handle_now(self, msg: Msg) -> None:
         match msg:
             case Add(n=n):
                 self.total += n
@@ -170,6 +189,22 @@ def stepped_call_us(n: int) -> float:
         runtime.close()
 
 
+async def _spawn_now_counter(system: ActorSystem):  # type: ignore[no-untyped-def]
+    return await system.spawn(NowCounter())
+
+
+def stepped_now_call_us(n: int) -> float:
+    runtime = SteppedRuntime()
+    ref = runtime.start(_spawn_now_counter)
+    try:
+        us = _median_call_us(lambda: runtime.call(ref.ask, Get), n)
+        if runtime.handled_now < n:
+            raise SystemExit(f"only {runtime.handled_now} of {n} calls were handled now")
+        return us
+    finally:
+        runtime.close()
+
+
 def run_until_complete_call_us(n: int) -> float:
     """Baseline: the previous stepped runtime, ``loop.run_until_complete`` per call."""
     loop = asyncio.new_event_loop()
@@ -228,13 +263,15 @@ def main() -> None:
     raw_rate, tell_rate = statistics.median(raw_rates), statistics.median(tell_rates)
     raw_us, ask_us = statistics.median(raw_rt), statistics.median(ask_rt)
 
-    stepped, rtc, thread, portal = [], [], [], []
+    stepped, now, rtc, thread, portal = [], [], [], [], []
     for _ in range(TRIALS):
         stepped.append(stepped_call_us(N_CALL))
+        now.append(stepped_now_call_us(N_CALL))
         rtc.append(run_until_complete_call_us(N_CALL))
         thread.append(thread_call_us(N_CALL))
         portal.append(portal_call_us(N_CALL))
     stepped_us, rtc_us = statistics.median(stepped), statistics.median(rtc)
+    now_us = statistics.median(now)
     thread_us, portal_us = statistics.median(thread), statistics.median(portal)
 
     rows = [
@@ -260,6 +297,13 @@ def main() -> None:
             "≤ 20 µs",
         ),
         (
+            "sync call, stepped, handled now",
+            f"{now_us:.1f} µs",
+            f"{stepped_us:.1f} µs (stepped, queued)",
+            f"{now_us / stepped_us:.2f}",
+            "",
+        ),
+        (
             "sync call, thread",
             f"{thread_us:.1f} µs",
             f"{portal_us:.1f} µs (BlockingPortal)",
@@ -276,6 +320,7 @@ def main() -> None:
     print(f"spread over {TRIALS} trials (min / median / max of each trial's median, µs):")
     for name, values in (
         ("stepped", stepped),
+        ("stepped, handled now", now),
         ("run_until_complete", rtc),
         ("thread", thread),
         ("BlockingPortal", portal),
@@ -288,6 +333,7 @@ def main() -> None:
                 "ask_vs_raw_roundtrip": round(ask_us / raw_us, 3),
                 "sync_call_us_stepped": round(stepped_us, 2),
                 "sync_call_us_thread": round(thread_us, 2),
+                "sync_call_us_stepped_now": round(now_us, 2),
                 "sync_call_us_stepped_spread": [round(v, 2) for v in spread(stepped)],
                 "sync_call_us_thread_spread": [round(v, 2) for v in spread(thread)],
             }

@@ -12,7 +12,11 @@ The uses, each with its private path (and the gain measured here) and its public
 
 - :class:`LoopStepper` (the stepped runtime): asyncio's ``_run_once`` inside the
   running-loop state that ``run_forever`` sets up, about 3 µs of a 10 µs call; else
-  ``run_forever`` + ``stop``;
+  ``run_forever`` + ``stop``. Its :meth:`~LoopStepper.quiescent` reads the loop's ready
+  queue, timer heap and selector (nothing to run, no timer due, no file watched) so that
+  a message can be handled without an iteration (tens of µs an ask, in situ on the
+  engine thread); else the loop is never taken as quiescent (every message takes its
+  iteration);
 - :func:`event_factory` (one event per ask): anyio's backend ``Event`` class, looked up
   once, about 1.2 µs an ask; else ``anyio.Event()``;
 - :func:`context_var_setter` (an actor's ``message`` log key): structlog's own
@@ -99,10 +103,54 @@ class LoopStepper:
             why = "measured cheaper" if usable else f"{type(loop).__name__}: not as probed"
         self.path = "run_once" if self._run_once is not None else "run_forever"
         _chose("stepped loop", self.path, why)
+        # What quiescent() reads: the ready queue, the timer heap, the selector's map and
+        # the self-pipe's file descriptor (the one file every selector loop watches).
+        self._ready: Any = None
+        self._scheduled: Any = None
+        self._fds: Any = None
+        self._own_fds = 0
+        if self._run_once is not None:
+            ready = getattr(loop, "_ready", None)
+            scheduled = getattr(loop, "_scheduled", None)
+            fds = getattr(getattr(loop, "_selector", None), "get_map", None)
+            ssock = getattr(loop, "_ssock", None)
+            if (
+                hasattr(ready, "__len__")
+                and isinstance(scheduled, list)
+                and callable(fds)
+                and ssock is not None
+            ):
+                self._ready, self._scheduled, self._fds = ready, scheduled, fds
+                self._own_fds = len(fds())
+        quiet = "ready queue, timers, selector" if self._fds is not None else "never"
+        _chose("stepped loop quiescent", quiet, why if self._fds is None else "measured cheaper")
 
     def set(self) -> None:
         if self._run_once is None:
             self.loop.stop()
+
+    def quiescent(self) -> bool:
+        """True when an iteration of the loop would find nothing to do: no callback
+        ready, no timer due, and no file watched but the loop's own (a socket's data is
+        only seen by an iteration). False whenever that cannot be read."""
+        fds = self._fds
+        if fds is None or self._ready:
+            return False
+        scheduled = self._scheduled
+        if scheduled and scheduled[0].when() <= self.loop.time():
+            return False
+        return len(fds()) <= self._own_fds
+
+    def run_now(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on this thread as if inside an iteration (the loop is the running
+        loop meanwhile: anyio finds its backend, futures their loop), between iterations."""
+        if _loop_running_here():
+            raise RuntimeError("SteppedRuntime cannot be driven from inside a running loop")
+        asyncio._set_running_loop(self.loop)
+        try:
+            return fn(*args)
+        finally:
+            asyncio._set_running_loop(None)
 
     def run_until(self, until: Callable[[], bool], check: Callable[[], None]) -> None:
         """Step until ``until()``; ``check()`` runs before each step and may raise."""

@@ -210,13 +210,27 @@ def test_the_loop_stepper_steps_on_the_path_its_probe_chose(
             _private_api.LoopStepper(loop)
         assert stepper.path == path
         logged = [r.getMessage() for r in caplog.records if "private_api_path" in r.getMessage()]
-        assert len(logged) == 1 and f"path='{path}'" in logged[0]
+        quiet = "ready queue, timers, selector" if path == "run_once" else "never"
+        assert len(logged) == 2 and f"path='{path}'" in logged[0]  # once each
+        assert "use='stepped loop quiescent'" in logged[1] and f"path='{quiet}'" in logged[1]
         done = loop.create_future()
         loop.call_soon(lambda: loop.call_soon(done.set_result, 7))
+        assert not stepper.quiescent()  # a callback is ready
         done.add_done_callback(lambda _: stepper.set())
         stepper.run_until(done.done, lambda: None)
         assert done.result() == 7
         assert not _running_loop_here()  # the running-loop state was put back
+        ran: list[int] = []
+        # One more iteration runs the future's callbacks (set: run_forever's stop).
+        loop.call_soon(lambda: (ran.append(1), stepper.set()))
+        stepper.run_until(lambda: bool(ran), lambda: None)
+        # Nothing left to run: quiescent where the loop's queues can be read, else never.
+        assert stepper.quiescent() == (path == "run_once")
+        timer = loop.call_later(3600, lambda: None)
+        assert stepper.quiescent() == (path == "run_once")  # a timer not due yet
+        timer.cancel()
+        assert stepper.run_now(asyncio.get_running_loop) is loop
+        assert not _running_loop_here()
     finally:
         loop.close()
 

@@ -181,13 +181,18 @@ class RestartPolicy:
 class Actor(Generic[M]):
     """One task, one bounded mailbox; messages are handled strictly one at a time.
 
-    Subclasses implement :meth:`handle` and may override :meth:`on_start`,
-    :meth:`on_stop` and :meth:`on_restart`. ``mailbox_size`` and ``restart_policy`` may
-    be set per class or per instance.
+    Subclasses implement :meth:`handle` (and :meth:`handle_now` for the types named in
+    :attr:`immediate`) and may override :meth:`on_start`, :meth:`on_stop` and
+    :meth:`on_restart`. ``mailbox_size`` and ``restart_policy`` may be set per class or
+    per instance.
     """
 
     mailbox_size: ClassVar[int] = 64
     restart_policy: ClassVar[RestartPolicy] = RestartPolicy()
+    immediate: ClassVar[frozenset[type]] = frozenset()
+    """Message types whose handling never awaits: :meth:`handle_now` handles them, in the
+    actor's task like any message, and on the stepped runtime straight from the sync
+    caller while the actor waits at an empty mailbox (no loop iteration, same order)."""
     _cell: _Cell[M] | None = None  # set by ActorSystem.spawn
 
     @property
@@ -221,6 +226,11 @@ class Actor(Generic[M]):
         """
 
     async def handle(self, msg: M) -> None:
+        raise NotImplementedError
+
+    def handle_now(self, msg: M) -> None:
+        """Handle a message of an :attr:`immediate` type, without awaiting anything; what
+        it raises counts as :meth:`handle`'s would (an ask's error, or supervision)."""
         raise NotImplementedError
 
 

@@ -14,10 +14,17 @@ Mailbox fate, in one place:
 - on escalation or cancellation whatever is still queued (and the message being handled,
   if it was an ask) fails with :class:`~kvferry.ActorStopped`; queued tells are counted
   as dropped and logged.
+
+Handled now (:meth:`_Cell.handle_now`, the stepped runtime's short way for an actor's
+``immediate`` messages): only while the task waits at an empty mailbox, so the message
+takes its place in the order, on the caller's thread in a copy of the task's context
+(its log keys). An ask's error goes to the asker as usual; a tell's error is queued as a
+:class:`_Failed` marker, which the task supervises in order like a failure of its own.
 """
 
 from __future__ import annotations
 
+import contextvars
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Generic, TypeAlias, TypeVar
@@ -45,6 +52,16 @@ ActorSource: TypeAlias = Actor[M] | Callable[[], Actor[M]]
 
 _FAIRNESS_STREAK = 16
 """Queued messages an actor handles back to back before it yields to the other tasks."""
+
+
+class _Failed:
+    """A tell handled now whose handler raised: queued so that the task supervises it."""
+
+    __slots__ = ("msg", "error")
+
+    def __init__(self, msg: Any, error: Exception) -> None:
+        self.msg = msg
+        self.error = error
 
 
 class _Cell(Generic[M]):
@@ -75,6 +92,9 @@ class _Cell(Generic[M]):
         self.restarts = 0
         self.dropped = 0
         self.running = False
+        self.waiting = False
+        """The task waits for a message (at an empty mailbox, unless one just came)."""
+        self._context: contextvars.Context | None = None
         self.stopped = anyio.Event()
         self.error: BaseException | None = None
         """The error this actor was escalated with."""
@@ -110,6 +130,7 @@ class _Cell(Generic[M]):
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         # Bound in this task's own context, once: every log line of the actor carries it.
         structlog.contextvars.bind_contextvars(actor=self.name)
+        self._context = contextvars.copy_context()  # for the messages handled now
         try:
             with anyio.CancelScope() as self.scope:
                 if self._kill:
@@ -139,23 +160,39 @@ class _Cell(Generic[M]):
                     streak += 1
                 else:
                     streak = 0
-                    msg, reply, hop = await mailbox.receive()
+                    self.waiting = True
+                    try:
+                        msg, reply, hop = await mailbox.receive()
+                    finally:
+                        self.waiting = False
             except anyio.EndOfStream:
                 return
             if reply is not None and reply._abandoned:
                 self.dropped += 1  # its asker timed out or was cancelled while it queued
                 continue
+            if isinstance(msg, _Failed):  # a tell handled now failed: supervised in turn
+                if not await self._supervise(msg.msg, msg.error):
+                    return
+                continue
             self._current = reply
+            actor = self.actor
+            now = type(msg) in actor.immediate
             try:
                 if hop is None and tracer is None:
                     # Set in this actor's own context and left set: the next message
                     # overwrites it, and nothing else runs in this context meanwhile.
                     self._set_message(type(msg).__name__)
-                    await self.actor.handle(msg)
+                    if now:
+                        actor.handle_now(msg)
+                    else:
+                        await actor.handle(msg)
                 else:
                     with HopScope(hop, tracer, self.name, type(msg).__name__) as scope:
                         try:
-                            await self.actor.handle(msg)
+                            if now:
+                                actor.handle_now(msg)
+                            else:
+                                await actor.handle(msg)
                         except Exception as exc:
                             scope.fail(exc)
                             raise
@@ -171,6 +208,59 @@ class _Cell(Generic[M]):
             self.handled += 1
             if reply is not None and not reply._done:
                 reply.fail(RuntimeError(f"{self.name} did not answer {type(msg).__name__}"))
+
+    def can_handle_now(self, msg: object) -> bool:
+        """Whether :meth:`handle_now` may take ``msg``: of an ``immediate`` type, and the
+        task waits at an empty mailbox (nothing queued or parked ahead of it)."""
+        mailbox = self.mailbox
+        return (
+            self.waiting
+            and self.running
+            and type(msg) in self.actor.immediate
+            and not len(mailbox)
+            and not mailbox.senders_waiting
+            and not mailbox.closed
+        )
+
+    def handle_now(self, msg: M, reply: Reply[Any] | None, hop: Any) -> None:
+        """Handle ``msg`` on the calling thread, as the task would have (counters, log
+        keys, hop scope, an ask's error to its asker); only after :meth:`can_handle_now`
+        said yes, and with the task's loop not running (the stepped runtime between
+        iterations). A tell whose handler raised is queued as :class:`_Failed`."""
+        context = self._context
+        if context is None:
+            raise RuntimeError(f"actor {self.name} has not started")
+        try:
+            context.run(self._run_now, msg, hop)
+        except Exception as exc:
+            self.handled += 1
+            self.failures += 1
+            if reply is not None:
+                reply.fail(exc)
+                return
+            try:
+                self.mailbox.send_nowait((_Failed(msg, exc), None, None))  # type: ignore[arg-type]
+            except (anyio.WouldBlock, anyio.ClosedResourceError):
+                # The handler filled (or closed) its own mailbox: no turn left to
+                # supervise in, so the failure ends the actor now.
+                self._log.error("tell_handler_failed", message=type(msg).__name__, exc_info=exc)
+                self._escalate(exc)
+            return
+        self.handled += 1
+        if reply is not None and not reply._done:
+            reply.fail(RuntimeError(f"{self.name} did not answer {type(msg).__name__}"))
+
+    def _run_now(self, msg: M, hop: Any) -> None:
+        if hop is None and self._tracer is None:
+            self._set_message(type(msg).__name__)
+            self.actor.handle_now(msg)
+            return
+        with HopScope(hop, self._tracer, self.name, type(msg).__name__) as scope:
+            try:
+                self.actor.handle_now(msg)
+            except Exception as exc:
+                scope.fail(exc)
+                raise
 
     async def _supervise(self, msg: M, exc: Exception) -> bool:
         """Restart within the budget (True), or escalate (False)."""

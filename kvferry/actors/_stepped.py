@@ -3,12 +3,16 @@
 ``call(ref.ask, make)`` puts the message in the actor's mailbox from this thread and runs
 the loop until the reply is set, so an actor that answers at once costs one loop
 iteration. ``call(ref.tell, msg)`` only queues (the actor handles it
-in the next call's iterations). Any other ``call(fn, *args)`` goes to the call server (a
-task of the actor system) and runs the loop until the server has finished it. Then the
-loop stops and every actor task stays suspended until the next call. No second thread
-competes with the engine for the GIL, and no call creates a task or runs
-``run_until_complete``. Work that completes between calls (a copy thread's future, an
-expired timer) is picked up by the next call's iterations.
+in the next call's iterations). Shorter still, an ask or tell of a type the actor names
+``immediate`` is handled on this thread without an iteration when nothing is in the way:
+the actor waits at an empty mailbox and the loop is quiescent (no callback ready, no timer
+due, no socket watched: :meth:`LoopStepper.quiescent <kvferry._private_api.LoopStepper>`),
+so the message comes in the same order and nothing else waits on it. Any other
+``call(fn, *args)`` goes to the call server (a task of the actor system) and runs the loop
+until the server has finished it. Then the loop stops and every actor task stays
+suspended until the next call. No second thread competes with the engine for the GIL, and
+no call creates a task or runs ``run_until_complete``. Work that completes between calls
+(a copy thread's future, an expired timer) is picked up by the next call's iterations.
 
 This is the one module of kvferry that drives asyncio directly: a loop cannot be stepped
 through anyio. Where CPython's loop allows, it is stepped through its private
@@ -35,6 +39,7 @@ from .._errors import ActorCrashed, ActorStopped
 from .._logging import get_logger
 from .._private_api import LoopStepper
 from ._base import ActorRef, MakeAsk, Reply
+from ._context import capture
 from ._runtime import (
     Setup,
     _Call,
@@ -71,6 +76,8 @@ class SteppedRuntime:
         self._wakeup: asyncio.Future[None] | None = None
         self._busy = False
         self._report: ShutdownReport | None = None
+        self.handled_now = 0
+        """Asks and tells handled on the calling thread, without a loop iteration."""
         self._log = get_logger("kvferry.actors", runtime="stepped")
         self.system: ActorSystem
 
@@ -196,7 +203,17 @@ class SteppedRuntime:
         still queued), and what ``ref.ask`` raises.
         """
         self._check_open()
-        reply, envelope = ref._prepare_ask(make, self._stepper)
+        cell = ref._cell
+        stepper = self._stepper
+        if stepper is not None and stepper.quiescent():
+            reply, envelope = ref._prepare_ask(make, None)
+            if cell.can_handle_now(envelope[0]):
+                stepper.run_now(cell.handle_now, envelope[0], reply, envelope[2])
+                self.handled_now += 1
+                return reply.result()
+            reply._event = stepper
+        else:
+            reply, envelope = ref._prepare_ask(make, stepper)
         item = _Deliver(ref, envelope, reply)
         if not item.offer():
             self._submit(item)  # full: the call server waits for room
@@ -211,6 +228,12 @@ class SteppedRuntime:
         """``ref.tell(msg)`` from sync code: queue it; the actor handles it during the
         next call. Waits (runs the loop) only while the mailbox is full."""
         self._check_open()
+        cell = ref._cell
+        stepper = self._stepper
+        if stepper is not None and cell.can_handle_now(msg) and stepper.quiescent():
+            stepper.run_now(cell.handle_now, msg, None, capture())
+            self.handled_now += 1
+            return
         call = _Call(ref.tell, (msg,))
         item = _Deliver(ref, (msg, None, call.hop), None, call)
         if not item.offer():

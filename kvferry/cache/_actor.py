@@ -92,11 +92,45 @@ class DirectoryActor(Actor[DirectoryMsg]):
             write_back=write_back,
         )
         self._publisher = publisher
+        self._unpublished: list[KVEvent] = []  # the publisher's mailbox was full
         self._evictor: ActorRef[EvictorMsg] | None = None
         self.room_low_coalesced = 0
         """RoomLow facts not sent because one was already waiting in the evictor's mailbox."""
 
+    immediate = frozenset(
+        {
+            Lookup,
+            LookupEach,
+            LookupAndPin,
+            Unpin,
+            LoadLeased,
+            CompleteLoad,
+            CompleteStore,
+            Touch,
+            EndDemotions,
+            Facts,
+            PrepareLoad,
+            PrepareStore,
+            ClearAll,
+            ResetCache,
+            EvictSome,
+            TakeDemotions,
+            AttachEvictor,
+            GetStatistics,
+        }
+    )
+    """Every message but :class:`TakeEvents` (which asks the publisher): plain bookkeeping,
+    handled without awaiting (on the stepped runtime, often straight from the engine
+    thread)."""
+
     async def handle(self, msg: DirectoryMsg) -> None:
+        match msg:
+            case TakeEvents(reply=reply):
+                reply.set(await self._take_events())
+            case _:
+                self.handle_now(msg)
+
+    def handle_now(self, msg: DirectoryMsg) -> None:
         d = self.directory
         match msg:
             case Lookup(keys=keys, reply=reply):
@@ -128,16 +162,15 @@ class DirectoryActor(Actor[DirectoryMsg]):
             case TakeDemotions(reply=reply):
                 taken, demoted = d.take_demotions()
                 reply.set(Demotions(slots=taken, keys=tuple(demoted)))
-            case TakeEvents(reply=reply):
-                reply.set(await self._take_events())
-                return
             case AttachEvictor(evictor=evictor):
                 self._evictor = evictor
             case GetStatistics(reply=reply):
                 reply.set(d.statistics())
+            case TakeEvents():
+                raise TypeError("TakeEvents is not handled now: it asks the publisher")
             case _:
                 assert_never(msg)
-        await self._publish()
+        self._publish_now()
 
     def _apply(self, msg: Fact) -> None:
         d = self.directory
@@ -199,16 +232,30 @@ class DirectoryActor(Actor[DirectoryMsg]):
             # evicts inline, as without an evictor.
             self._evictor = None
 
-    async def _publish(self) -> None:
-        if self._publisher is not None:
-            events = self.directory.take_events()
-            if events:
-                await self._publisher.tell(Publish(events=tuple(events)))
+    def _publish_now(self) -> None:
+        """Hand the events recorded to the publisher if its mailbox has room; else they
+        wait, in order, for the next message or drain (never dropped)."""
+        publisher = self._publisher
+        if publisher is None:
+            return
+        events = self.directory.take_events()
+        if events:
+            self._unpublished.extend(events)
+        if not self._unpublished:
+            return
+        try:
+            publisher.tell_nowait(Publish(events=tuple(self._unpublished)))
+        except anyio.WouldBlock:
+            return
+        self._unpublished = []
 
     async def _take_events(self) -> list[KVEvent]:
         if self._publisher is None:
             return self.directory.take_events()
-        await self._publish()
+        events = self._unpublished + self.directory.take_events()
+        self._unpublished = []
+        if events:
+            await self._publisher.tell(Publish(events=tuple(events)))
         return await self._publisher.ask(lambda r: Drain(reply=r))
 
 

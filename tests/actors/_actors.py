@@ -64,6 +64,18 @@ class Counter(Actor[Msg]):
 
     async def handle(self, msg: Msg) -> None:
         match msg:
+            case Block(gate=gate, entered=entered):
+                if entered is not None:
+                    entered.set()
+                await gate.wait()
+            case Forget():
+                pass
+            case _:
+                self.apply(msg)
+
+    def apply(self, msg: Msg) -> None:
+        """The messages whose handling never awaits."""
+        match msg:
             case Add(n=n):
                 self.value += n
                 self.seen.append(n)
@@ -73,12 +85,8 @@ class Counter(Actor[Msg]):
                 raise RuntimeError("boom")
             case AskBoom():
                 raise ValueError("bad ask")
-            case Block(gate=gate, entered=entered):
-                if entered is not None:
-                    entered.set()
-                await gate.wait()
-            case Forget():
-                pass
+            case _:
+                raise TypeError(f"not handled without awaiting: {msg!r}")
 
 
 async def block(ref: object, gate: anyio.Event) -> None:

@@ -7,7 +7,7 @@ import logging
 import anyio
 import pytest
 
-from kvferry.actors import ActorSystem
+from kvferry.actors import ActorSystem, Reply
 from kvferry.cache import (
     AllBlocksCleared,
     BlocksRemoved,
@@ -21,6 +21,8 @@ from kvferry.cache import (
     Lookup,
     PrepareLoad,
     PrepareStore,
+    Publish,
+    PublisherActor,
     ResetCache,
     TakeEvents,
     Touch,
@@ -76,6 +78,29 @@ async def test_take_events_batches_what_every_earlier_message_changed() -> None:
             BlocksStored(keys=[k(2)]),
         ]
         assert await d.ask(TakeEvents) == []
+
+
+async def test_events_wait_in_order_while_the_publishers_mailbox_is_full() -> None:
+    """A message handled without awaiting cannot wait for the publisher: its events are
+    held by the directory and handed on, first, with the next ones (never dropped)."""
+    async with ActorSystem() as system:
+        publisher = PublisherActor()
+        publisher.mailbox_size = 1
+        pub = await system.spawn(publisher)
+        pub.tell_nowait(Publish(events=()))  # full until the publisher's task runs
+        actor = DirectoryActor(2, watermarks=(1.0, 1.0), publisher=pub)
+        for i in range(3):  # no await in between: the publisher cannot run
+            reply: Reply[object] = Reply()
+            actor.handle_now(PrepareStore(keys=(k(i),), reply=reply))
+            actor.handle_now(CompleteStore(slots=reply.result(), ok=True))  # type: ignore[arg-type]
+        assert pub.statistics().mailbox_depth == 1
+        taken: Reply[object] = Reply()
+        await actor.handle(TakeEvents(reply=taken))
+        assert taken.result() == [
+            BlocksStored(keys=[k(0), k(1)]),  # the publisher's batching, as ever
+            BlocksRemoved(keys=[k(0)]),
+            BlocksStored(keys=[k(2)]),
+        ]
 
 
 async def test_reset_cache_clears_the_tier_and_says_so() -> None:
