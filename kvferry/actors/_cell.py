@@ -175,24 +175,18 @@ class _Cell(Generic[M]):
                     return
                 continue
             self._current = reply
-            actor = self.actor
-            now = type(msg) in actor.immediate
             try:
-                if hop is None and tracer is None:
+                if type(msg) in self.actor.immediate:
+                    self._run_now(msg, hop)  # as the stepped runtime's short way runs it
+                elif hop is None and tracer is None:
                     # Set in this actor's own context and left set: the next message
                     # overwrites it, and nothing else runs in this context meanwhile.
                     self._set_message(type(msg).__name__)
-                    if now:
-                        actor.handle_now(msg)
-                    else:
-                        await actor.handle(msg)
+                    await self.actor.handle(msg)
                 else:
                     with HopScope(hop, tracer, self.name, type(msg).__name__) as scope:
                         try:
-                            if now:
-                                actor.handle_now(msg)
-                            else:
-                                await actor.handle(msg)
+                            await self.actor.handle(msg)
                         except Exception as exc:
                             scope.fail(exc)
                             raise
@@ -251,6 +245,8 @@ class _Cell(Generic[M]):
             reply.fail(RuntimeError(f"{self.name} did not answer {type(msg).__name__}"))
 
     def _run_now(self, msg: M, hop: Any) -> None:
+        """An immediate message's handling, in whatever context the caller runs it (the
+        task's own, or the copy :meth:`handle_now` enters)."""
         if hop is None and self._tracer is None:
             self._set_message(type(msg).__name__)
             self.actor.handle_now(msg)
