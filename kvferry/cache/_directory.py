@@ -630,6 +630,11 @@ class Directory:
 
     # -- events and statistics ----------------------------------------------------------
 
+    @property
+    def events_pending(self) -> int:
+        """Events recorded and not yet taken."""
+        return len(self._events) if self._events else 0
+
     def take_events(self) -> list[KVEvent]:
         """Events recorded since the last call, in order (empty unless ``events``)."""
         if not self._events:

@@ -7,7 +7,8 @@ import logging
 import anyio
 import pytest
 
-from kvferry.actors import ActorSystem, Reply
+from kvferry._private_api import PUBLIC_ONLY_ENV
+from kvferry.actors import ActorSystem, Reply, SteppedRuntime
 from kvferry.cache import (
     AllBlocksCleared,
     BlocksRemoved,
@@ -18,6 +19,7 @@ from kvferry.cache import (
     DirectoryActor,
     Facts,
     GetStatistics,
+    HostTier,
     Lookup,
     PrepareLoad,
     PrepareStore,
@@ -89,6 +91,7 @@ async def test_events_wait_in_order_while_the_publishers_mailbox_is_full() -> No
         pub = await system.spawn(publisher)
         pub.tell_nowait(Publish(events=()))  # full until the publisher's task runs
         actor = DirectoryActor(2, watermarks=(1.0, 1.0), publisher=pub)
+        actor.publish_at = 1  # each message's events handed on at once, if there is room
         for i in range(3):  # no await in between: the publisher cannot run
             reply: Reply[object] = Reply()
             actor.handle_now(PrepareStore(keys=(k(i),), reply=reply))
@@ -101,6 +104,33 @@ async def test_events_wait_in_order_while_the_publishers_mailbox_is_full() -> No
             BlocksRemoved(keys=[k(0)]),
             BlocksStored(keys=[k(2)]),
         ]
+
+
+def test_with_kv_events_the_stepped_runtime_still_handles_the_directory_now(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The events of a step wait in the directory until the drain: the publisher is not
+    woken per message, so the loop stays quiescent and each message is handled on the
+    calling thread; the drain hands over all of them, merged as ever."""
+    monkeypatch.delenv(PUBLIC_ONLY_ENV, raising=False)
+
+    async def setup(system: ActorSystem) -> HostTier:
+        return await spawn_host_tier(system, 4, watermarks=(1.0, 1.0), events=True)
+
+    runtime = SteppedRuntime()
+    tier = runtime.start(setup)
+    try:
+        d = tier.directory
+        runtime.ask(d, GetStatistics)  # the actors reach their mailboxes
+        before = runtime.handled_now
+        for i in range(3):
+            slots = runtime.ask(d, lambda r, i=i: PrepareStore(keys=(k(i),), reply=r))
+            runtime.tell(d, CompleteStore(slots=slots, ok=True))
+        assert runtime.handled_now - before == 6
+        assert runtime.ask(d, TakeEvents) == [BlocksStored(keys=[k(0), k(1), k(2)])]
+        assert runtime.handled_now - before == 6  # the drain asks the publisher
+    finally:
+        assert runtime.close().clean
 
 
 async def test_reset_cache_clears_the_tier_and_says_so() -> None:
