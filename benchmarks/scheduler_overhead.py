@@ -215,6 +215,9 @@ class RunResult:
     notes: list[str] = field(default_factory=list)
     stats: Any = None
     """kvferry's SchedulerStatistics at the end of the run."""
+    handled_now: tuple[int, int] | None = None
+    """kvferry's asks and tells to its actors: (handled on the engine thread without a
+    loop turn, sent), where the connector runs the stepped runtime."""
     meter: CallMeter | None = None
 
     @property
@@ -326,6 +329,7 @@ class Driver:
     def finish(self) -> RunResult:
         kind, notes, scheduler = self.kind, self.notes, self.scheduler
         stats = None
+        handled_now = None
         if kind == "kvferry":
             conn = scheduler.connector
             stats = conn.statistics()
@@ -338,6 +342,9 @@ class Driver:
             left = len(conn._scheduler._reqs)
             if left:
                 notes.append(f"kvferry: {left} request states left after every request finished")
+            runtime = conn._scheduler.runtime
+            if hasattr(runtime, "handled_now"):
+                handled_now = (runtime.handled_now, runtime.sent)
         elif kind == "vllm":
             cs = scheduler.connector.connector_scheduler
             if cs._jobs:
@@ -361,6 +368,7 @@ class Driver:
             notes=notes,
             stats=stats,
             meter=self.meter,
+            handled_now=handled_now,
         )
         scheduler.shutdown()
         return result
@@ -530,6 +538,12 @@ def measure(
             "block a connector loaded or holds already is not stored again, so what each "
             "stores follows what each hit"
         )
+    if kf.handled_now is not None:
+        now, sent = kf.handled_now
+        print(
+            f"kvferry's asks and tells to its actors: {now} of {sent} handled on the engine "
+            "thread without a loop turn (the stepped runtime's immediate messages)"
+        )
     if kf.host_blocks != vl.host_blocks:
         notes.append(
             f"host capacities differ: kvferry {kf.host_blocks}, vLLM {vl.host_blocks} blocks"
@@ -568,6 +582,8 @@ def measure(
         "repeats": args.repeats,
         "store_decoded": s.store_decoded,
     }
+    if kf.handled_now is not None:
+        figures["kvferry_messages_handled_now"], figures["kvferry_messages_sent"] = kf.handled_now
     return figures
 
 

@@ -76,8 +76,10 @@ class SteppedRuntime:
         self._wakeup: asyncio.Future[None] | None = None
         self._busy = False
         self._report: ShutdownReport | None = None
+        self.sent = 0
+        """Asks and tells sent through :meth:`ask` and :meth:`tell` (``call`` included)."""
         self.handled_now = 0
-        """Asks and tells handled on the calling thread, without a loop iteration."""
+        """Of those, the ones handled on the calling thread, without a loop iteration."""
         self._log = get_logger("kvferry.actors", runtime="stepped")
         self.system: ActorSystem
 
@@ -203,6 +205,7 @@ class SteppedRuntime:
         still queued), and what ``ref.ask`` raises.
         """
         self._check_open()
+        self.sent += 1
         cell = ref._cell
         stepper = self._stepper
         if stepper is not None and stepper.quiescent():
@@ -228,6 +231,7 @@ class SteppedRuntime:
         """``ref.tell(msg)`` from sync code: queue it; the actor handles it during the
         next call. Waits (runs the loop) only while the mailbox is full."""
         self._check_open()
+        self.sent += 1
         cell = ref._cell
         stepper = self._stepper
         if stepper is not None and cell.can_handle_now(msg) and stepper.quiescent():

@@ -53,13 +53,14 @@ def test_asks_and_tells_are_handled_on_the_calling_thread_where_the_probe_allows
 ) -> None:  # type: ignore[no-untyped-def]
     runtime, ref = stepped
     runtime.call(ref.ask, Get)  # the first call lets the actor reach its mailbox
-    before = runtime.handled_now
+    before, sent = runtime.handled_now, runtime.sent
     runtime.tell(ref, Add(n=2))
     runtime.tell(ref, Add(n=3))
     assert runtime.ask(ref, Get) == 5
     assert runtime.call(ref.ask, Get) == 5
     # Public path: the loop's queues cannot be read, so every message takes an iteration.
     assert runtime.handled_now - before == (4 if api_path == "private" else 0)
+    assert runtime.sent - sent == 4
     stats = ref.statistics()
     assert stats.messages_handled == 5 and stats.mailbox_depth == 0
 
