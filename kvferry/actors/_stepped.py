@@ -208,7 +208,8 @@ class SteppedRuntime:
         self.sent += 1
         cell = ref._cell
         stepper = self._stepper
-        if stepper is not None and stepper.quiescent():
+        # The loop's state is read only for an actor that names immediate messages.
+        if stepper is not None and cell.actor.immediate and stepper.quiescent():
             reply, envelope = ref._prepare_ask(make, None)
             if cell.can_handle_now(envelope[0]):
                 stepper.run_now(cell.handle_now, envelope[0], reply, envelope[2])
