@@ -13,7 +13,10 @@ Prints a table, then (last line) one JSON object:
   max) is printed below the table and given as ``*_spread``;
 - ``sync_call_us_stepped_now``: the same stepped call to an actor that names ``Get``
   ``immediate`` (handled on the calling thread, without a loop iteration), against the
-  stepped call above.
+  stepped call above;
+- ``sync_call_us_thread_now``: the same thread-runtime call to that actor (handled in the
+  loop thread's callback that receives it, without a turn of the actor's task), against
+  the thread call above.
 
 Every figure is measured in this run, each against its baseline in the same process;
 trials alternate between the two sides so that a noisy neighbour hits both alike.
@@ -193,8 +196,8 @@ async def _spawn_now_counter(system: ActorSystem):  # type: ignore[no-untyped-de
     return await system.spawn(NowCounter())
 
 
-def stepped_now_call_us(n: int) -> float:
-    runtime = SteppedRuntime()
+def now_call_us(runtime: SteppedRuntime | ThreadRuntime, n: int) -> float:
+    """The sync call to an actor that names ``Get`` immediate, on ``runtime``."""
     ref = runtime.start(_spawn_now_counter)
     try:
         us = _median_call_us(lambda: runtime.call(ref.ask, Get), n)
@@ -263,16 +266,18 @@ def main() -> None:
     raw_rate, tell_rate = statistics.median(raw_rates), statistics.median(tell_rates)
     raw_us, ask_us = statistics.median(raw_rt), statistics.median(ask_rt)
 
-    stepped, now, rtc, thread, portal = [], [], [], [], []
+    stepped, now, rtc, thread, thread_now, portal = [], [], [], [], [], []
     for _ in range(TRIALS):
         stepped.append(stepped_call_us(N_CALL))
-        now.append(stepped_now_call_us(N_CALL))
+        now.append(now_call_us(SteppedRuntime(), N_CALL))
         rtc.append(run_until_complete_call_us(N_CALL))
         thread.append(thread_call_us(N_CALL))
+        thread_now.append(now_call_us(ThreadRuntime(), N_CALL))
         portal.append(portal_call_us(N_CALL))
     stepped_us, rtc_us = statistics.median(stepped), statistics.median(rtc)
     now_us = statistics.median(now)
     thread_us, portal_us = statistics.median(thread), statistics.median(portal)
+    thread_now_us = statistics.median(thread_now)
 
     rows = [
         (
@@ -310,6 +315,13 @@ def main() -> None:
             f"{thread_us / portal_us:.2f}",
             "≤ 40 µs",
         ),
+        (
+            "sync call, thread, handled now",
+            f"{thread_now_us:.1f} µs",
+            f"{thread_us:.1f} µs (thread, queued)",
+            f"{thread_now_us / thread_us:.2f}",
+            "",
+        ),
     ]
     head = ("figure", "kvferry", "baseline", "ratio", "target")
     widths = [max(len(r[i]) for r in [*rows, head]) for i in range(len(head))]
@@ -323,6 +335,7 @@ def main() -> None:
         ("stepped, handled now", now),
         ("run_until_complete", rtc),
         ("thread", thread),
+        ("thread, handled now", thread_now),
         ("BlockingPortal", portal),
     ):
         print(f"  {name:<20} {' / '.join(f'{v:.1f}' for v in spread(values))}")
@@ -334,8 +347,10 @@ def main() -> None:
                 "sync_call_us_stepped": round(stepped_us, 2),
                 "sync_call_us_thread": round(thread_us, 2),
                 "sync_call_us_stepped_now": round(now_us, 2),
+                "sync_call_us_thread_now": round(thread_now_us, 2),
                 "sync_call_us_stepped_spread": [round(v, 2) for v in spread(stepped)],
                 "sync_call_us_thread_spread": [round(v, 2) for v in spread(thread)],
+                "sync_call_us_thread_now_spread": [round(v, 2) for v in spread(thread_now)],
             }
         )
     )

@@ -191,8 +191,10 @@ class Actor(Generic[M]):
     restart_policy: ClassVar[RestartPolicy] = RestartPolicy()
     immediate: ClassVar[frozenset[type]] = frozenset()
     """Message types whose handling never awaits: :meth:`handle_now` handles them, in the
-    actor's task like any message, and on the stepped runtime straight from the sync
-    caller while the actor waits at an empty mailbox (no loop iteration, same order)."""
+    actor's task like any message, and, while the actor waits at an empty mailbox, on the
+    stepped runtime straight from the sync caller (no loop iteration) and on the thread
+    runtime in the loop thread's callback that receives it (no turn of the actor's task);
+    the same order either way."""
     _cell: _Cell[M] | None = None  # set by ActorSystem.spawn
 
     @property

@@ -15,11 +15,13 @@ Mailbox fate, in one place:
   if it was an ask) fails with :class:`~kvferry.ActorStopped`; queued tells are counted
   as dropped and logged.
 
-Handled now (:meth:`_Cell.handle_now`, the stepped runtime's short way for an actor's
+Handled now (:meth:`_Cell.handle_now`, the sync runtimes' short way for an actor's
 ``immediate`` messages): only while the task waits at an empty mailbox, so the message
-takes its place in the order, on the caller's thread in a copy of the task's context
-(its log keys). An ask's error goes to the asker as usual; a tell's error is queued as a
-:class:`_Failed` marker, which the task supervises in order like a failure of its own.
+takes its place in the order, outside the task's turn (the stepped runtime: on the
+engine thread between loop iterations; the thread runtime: in the loop thread's callback
+that received it) in a copy of the task's context (its log keys). An ask's error goes to
+the asker as usual; a tell's error is queued as a :class:`_Failed` marker, which the task
+supervises in order like a failure of its own.
 """
 
 from __future__ import annotations
@@ -219,8 +221,9 @@ class _Cell(Generic[M]):
     def handle_now(self, msg: M, reply: Reply[Any] | None, hop: Any) -> None:
         """Handle ``msg`` on the calling thread, as the task would have (counters, log
         keys, hop scope, an ask's error to its asker); only after :meth:`can_handle_now`
-        said yes, and with the task's loop not running (the stepped runtime between
-        iterations). A tell whose handler raised is queued as :class:`_Failed`."""
+        said yes, and outside any turn of a task of the loop (the stepped runtime between
+        iterations, or a callback on the loop's thread). A tell whose handler raised is
+        queued as :class:`_Failed`."""
         context = self._context
         if context is None:
             raise RuntimeError(f"actor {self.name} has not started")

@@ -116,6 +116,19 @@ class _Deliver:
             self.call.finish()
         return queued
 
+    def handle_now(self) -> bool:
+        """Handle it at once (True) where its actor may take it now
+        (:meth:`~kvferry.actors._cell._Cell.can_handle_now`); on the loop's thread, outside
+        any iteration of the actor's task (a callback of the loop, or between iterations)."""
+        msg, reply, hop = self.envelope
+        cell = self.ref._cell
+        if not cell.can_handle_now(msg) or (reply is not None and reply._abandoned):
+            return False
+        cell.handle_now(msg, reply, hop)
+        if self.call is not None:
+            self.call.finish()
+        return True
+
     def fail(self, error: BaseException) -> None:
         if self.reply is not None:
             self.reply.fail(error)

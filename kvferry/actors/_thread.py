@@ -6,8 +6,12 @@ trio's ``TrioToken.run_sync_soon``; :func:`loop_waker`), without the second roun
 and the task per call of anyio's ``BlockingPortal``; the caller then blocks on a lock.
 On the loop thread, ``_pump`` takes the items: an ask or a tell goes straight into the
 actor's mailbox, and the actor's answer releases the caller's lock, so that
-``call(ref.ask, make)`` costs one hop there and one back. Any other call goes to the
-call server (a task of the actor system), which releases the lock when it returns.
+``call(ref.ask, make)`` costs one hop there and one back. An actor's ``immediate``
+message, when the actor waits at an empty mailbox, is handled right there in ``_pump``
+(as the stepped runtime handles it on the engine thread), without waking the actor's
+task: the same handler, in the same place in the actor's order, one loop turn fewer.
+Any other call goes to the call server (a task of the actor system), which releases the
+lock when it returns.
 
 Who owns what: the loop thread owns the loop, the actor system, the call server and
 its queue; a caller thread owns nothing but its pending item. The inbox is a deque
@@ -120,6 +124,9 @@ class ThreadRuntime:
         self._tasks_left: tuple[str, ...] = ()
         self._report: ShutdownReport | None = None
         self._log = get_logger("kvferry.actors", runtime="thread")
+        self.handled_now = 0
+        """Asks and tells handled on the loop thread as they arrived, without a turn of
+        the actor's task (its ``immediate`` messages, when it waits at an empty mailbox)."""
         self.system: ActorSystem
 
     def start(self, setup: Setup[S]) -> S:
@@ -204,8 +211,12 @@ class ThreadRuntime:
         handed = False
         while inbox:
             item = inbox.popleft()
-            if isinstance(item, _Deliver) and item.offer():
-                continue
+            if isinstance(item, _Deliver):
+                if item.handle_now():
+                    self.handled_now += 1
+                    continue
+                if item.offer():
+                    continue
             queue.append(item)  # a call, the close marker, or a delivery to a full mailbox
             handed = True
         if handed and self._wake is not None:

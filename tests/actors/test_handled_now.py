@@ -1,5 +1,7 @@
-"""The stepped runtime's short way: an actor's ``immediate`` messages handled on the
-calling thread, without a loop iteration, only when nothing is in the way."""
+"""The sync runtimes' short way for an actor's ``immediate`` messages, taken only when
+nothing is in the way: the stepped runtime handles them on the calling thread without a
+loop iteration; the thread runtime in the loop thread's callback that receives them,
+without a turn of the actor's task."""
 
 from __future__ import annotations
 
@@ -8,7 +10,14 @@ import socket
 import anyio
 import pytest
 
-from kvferry.actors import ActorCrashed, ActorRef, ActorStopped, ActorSystem, SteppedRuntime
+from kvferry.actors import (
+    ActorCrashed,
+    ActorRef,
+    ActorStopped,
+    ActorSystem,
+    SteppedRuntime,
+    ThreadRuntime,
+)
 
 from ._actors import Add, AskBoom, Boom, Counter, Get, Msg, block
 
@@ -26,10 +35,44 @@ async def spawn_now(system: ActorSystem) -> ActorRef[Msg]:
     return await system.spawn(NowCounter(), name="now")
 
 
+async def spawn_counter(system: ActorSystem) -> ActorRef[Msg]:
+    return await system.spawn(Counter(), name="plain")
+
+
 @pytest.fixture
 def stepped():  # type: ignore[no-untyped-def]
     runtime = SteppedRuntime()
     ref = runtime.start(spawn_now)
+    yield runtime, ref
+    runtime.close()
+
+
+def _threaded(backend: str) -> tuple[ThreadRuntime, ActorRef[Msg]]:
+    runtime = ThreadRuntime(backend=backend)
+    ref = runtime.start(spawn_now)
+    # The first call lets the actor reach its mailbox. From then on the actor's task has
+    # always gone back to its empty mailbox before the loop runs the next callback that
+    # receives a message: its answer is set inside its turn.
+    runtime.call(ref.ask, Get)
+    return runtime, ref
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def threaded(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    runtime, ref = _threaded(request.param)
+    yield runtime, ref
+    runtime.close()
+
+
+@pytest.fixture(params=["stepped", "thread-asyncio", "thread-trio"])
+def either(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    """Either sync runtime, with the actor at its empty mailbox."""
+    if request.param == "stepped":
+        runtime: SteppedRuntime | ThreadRuntime = SteppedRuntime()
+        ref = runtime.start(spawn_now)
+        runtime.call(ref.ask, Get)
+    else:
+        runtime, ref = _threaded(request.param.removeprefix("thread-"))
     yield runtime, ref
     runtime.close()
 
@@ -65,15 +108,15 @@ def test_asks_and_tells_are_handled_on_the_calling_thread_where_the_probe_allows
     assert stats.messages_handled == 5 and stats.mailbox_depth == 0
 
 
-def test_a_message_queued_ahead_keeps_its_place(stepped) -> None:  # type: ignore[no-untyped-def]
-    runtime, ref = stepped
+def test_a_message_queued_ahead_keeps_its_place(either) -> None:  # type: ignore[no-untyped-def]
+    runtime, ref = either
     gate = runtime.call(_make_event)
     runtime.call(block, ref, gate)  # the actor is inside a handler that awaits
     before = runtime.handled_now
     runtime.tell(ref, Add(n=1))  # so this one queues
     assert runtime.handled_now == before
     runtime.call(_set, gate)
-    runtime.tell(ref, Add(n=2))  # queued behind Add(1), or handled after it
+    runtime.tell(ref, Add(n=2))  # queued behind Add(1), or handled once Add(1) was
     assert runtime.ask(ref, Get) == 3
     assert _actor(ref).seen == [1, 2]
 
@@ -161,3 +204,47 @@ async def test_on_a_running_loop_the_same_actor_handles_immediate_messages_in_it
         assert await ref.ask(Get) == 1
         stats = ref.statistics()
         assert stats.failures == 2 and stats.restarts == 1
+
+
+# -- the thread runtime ------------------------------------------------------------------
+
+
+def test_on_the_thread_runtime_the_loop_threads_callback_handles_them(threaded) -> None:  # type: ignore[no-untyped-def]
+    runtime, ref = threaded
+    before = runtime.handled_now
+    runtime.tell(ref, Add(n=2))
+    runtime.tell(ref, Add(n=3))
+    assert runtime.ask(ref, Get) == 5
+    assert runtime.call(ref.ask, Get) == 5
+    assert runtime.handled_now - before == 4
+    stats = ref.statistics()
+    assert stats.messages_handled == 5 and stats.mailbox_depth == 0
+    assert _actor(ref).seen == [2, 3]
+
+
+def test_on_the_thread_runtime_an_actor_without_immediate_messages_takes_its_turn() -> None:
+    runtime = ThreadRuntime()
+    ref = runtime.start(spawn_counter)
+    try:
+        runtime.tell(ref, Add(n=1))
+        assert runtime.ask(ref, Get) == 1
+        assert runtime.handled_now == 0
+        assert ref.statistics().messages_handled == 2
+    finally:
+        runtime.close()
+
+
+def test_on_the_thread_runtime_errors_go_where_they_would_have_gone(threaded) -> None:  # type: ignore[no-untyped-def]
+    runtime, ref = threaded
+    before = runtime.handled_now
+    with pytest.raises(ValueError, match="bad ask"):
+        runtime.ask(ref, AskBoom)
+    assert runtime.handled_now == before + 1
+    assert ref.statistics().failures == 1 and ref.statistics().restarts == 0
+    runtime.tell(ref, Boom())  # returns once handled: its failure is queued for the task
+    assert runtime.handled_now == before + 2
+    runtime.tell(ref, Add(n=1))
+    assert runtime.ask(ref, Get) == 1
+    assert [str(e) for e in _actor(ref).restarted_with] == ["boom"]
+    stats = ref.statistics()
+    assert stats.failures == 2 and stats.restarts == 1
