@@ -240,8 +240,11 @@ class RecencyLists:
         return victims
 
     def remove(self, slots: I64) -> None:
-        """``slots`` leave every list (a slot in none is ignored)."""
+        """``slots`` leave every list (a slot in none is ignored, a slot given twice
+        leaves once)."""
         self.flush()
+        if len(slots) > 1:
+            slots = np.unique(slots)
         old = self.member[slots]
         for lst in range(1, len(self._sizes)):
             self._sizes[lst] -= int(np.count_nonzero(old == lst))

@@ -583,10 +583,14 @@ class SchedulerSide:
         release = lease if lease is not None else np.zeros(0, np.int64)
         # Chunks only below host memory (on disk, or in Redis): read into host slots
         # reserved at the lookup, then loaded with the rest.
-        from_disk = set(disk_lease[0]) if disk_lease is not None else set()
-        dmask = np.fromiter((k in from_disk for k in keys), np.bool_, len(keys))
-        host_keys = [k for k, d in zip(keys, dmask.tolist(), strict=True) if not d]
-        disk_keys = [k for k, d in zip(keys, dmask.tolist(), strict=True) if d]
+        if disk_lease is None:  # all in host memory (always, without lower tiers)
+            dmask = np.zeros(len(keys), np.bool_)
+            host_keys, disk_keys = keys, []
+        else:
+            from_disk = set(disk_lease[0])
+            dmask = np.fromiter((k in from_disk for k in keys), np.bool_, len(keys))
+            host_keys = [k for k, d in zip(keys, dmask.tolist(), strict=True) if not d]
+            disk_keys = [k for k, d in zip(keys, dmask.tolist(), strict=True) if d]
         if disk_lease is None and not geo.hybrid and len(release) >= len(host_keys):
             # The lease pins the hit's leading keys in order, and the load takes its whole
             # chunks: the first of the leased slots are the load's, already pinned.
@@ -617,11 +621,14 @@ class SchedulerSide:
         both[~dmask] = found
         both[dmask] = reserved
         parts = load_parts(geo, plan, both)
-        from_redis = disk_lease[3] if disk_lease is not None else frozenset()
-        rmask = np.fromiter((k in from_redis for k in disk_keys), np.bool_, len(disk_keys))
-        redis_keys = [k for k, r in zip(disk_keys, rmask.tolist(), strict=True) if r]
-        disk_keys = [k for k, r in zip(disk_keys, rmask.tolist(), strict=True) if not r]
-        redis_slots, reserved = reserved[rmask], reserved[~rmask]
+        redis_keys: list[bytes] = []
+        redis_slots = reserved
+        if disk_keys:
+            from_redis = disk_lease[3] if disk_lease is not None else frozenset()
+            rmask = np.fromiter((k in from_redis for k in disk_keys), np.bool_, len(disk_keys))
+            redis_keys = [k for k, r in zip(disk_keys, rmask.tolist(), strict=True) if r]
+            disk_keys = [k for k, r in zip(disk_keys, rmask.tolist(), strict=True) if not r]
+            redis_slots, reserved = reserved[rmask], reserved[~rmask]
         facts: tuple[bytes, ...] = ()
         if self.events_enabled and len(reserved) + len(redis_slots):
             # Chunks read from below enter host memory (and, from Redis, maybe the disk):

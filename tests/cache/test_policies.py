@@ -134,6 +134,15 @@ def test_recency_lists_promote_refresh_and_pop_in_order() -> None:
     assert lists.member[[1, 2]].tolist() == [0, 0]
 
 
+def test_recency_lists_remove_a_slot_given_twice_once() -> None:
+    lists = RecencyLists(8, 2)
+    lists.enter(np.array([2, 1, 0]), 1)
+    lists.enter(np.array([4, 3]), 2)
+    lists.remove(np.array([1, 1, 3, 3, 3, 7]))  # 7 is in no list: ignored
+    assert (lists.size(1), lists.size(2)) == (2, 1)
+    assert lists.order(1).tolist() == [0, 2] and lists.order(2).tolist() == [4]
+
+
 def test_recency_lists_compact_a_log_of_stale_entries() -> None:
     lists = RecencyLists(4, 1, initial=64)
     lists.enter(np.array([3, 2, 1, 0]), 1)
