@@ -124,7 +124,11 @@ class _Deliver:
         cell = self.ref._cell
         if not cell.can_handle_now(msg) or (reply is not None and reply._abandoned):
             return False
-        cell.handle_now(msg, reply, hop)
+        try:
+            cell.handle_now(msg, reply, hop)  # the handler's own errors are dealt with there
+        except Exception as exc:  # anything else: the caller must not wait forever
+            self.fail(exc)
+            return True
         if self.call is not None:
             self.call.finish()
         return True

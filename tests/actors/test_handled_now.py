@@ -248,3 +248,22 @@ def test_on_the_thread_runtime_errors_go_where_they_would_have_gone(threaded) ->
     assert [str(e) for e in _actor(ref).restarted_with] == ["boom"]
     stats = ref.statistics()
     assert stats.failures == 2 and stats.restarts == 1
+
+
+def test_on_the_thread_runtime_a_failure_around_the_handler_reaches_the_caller(
+    threaded, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    """An error of the short way itself (not of the handler) ends the call: it does not
+    vanish into the loop's callback and leave the caller waiting."""
+    runtime, ref = threaded
+
+    def broken(msg: object, reply: object, hop: object) -> None:
+        raise RuntimeError("short way broke")
+
+    monkeypatch.setattr(ref._cell, "handle_now", broken)
+    with pytest.raises(RuntimeError, match="short way broke"):
+        runtime.ask(ref, Get)
+    with pytest.raises(RuntimeError, match="short way broke"):
+        runtime.tell(ref, Add(n=1))
+    monkeypatch.undo()
+    assert runtime.ask(ref, Get) == 0
