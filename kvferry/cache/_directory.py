@@ -64,8 +64,10 @@ Key = bytes
 
 _NO_TAGS = np.zeros(0, np.int64)
 
-_SMALL = 64
-"""Up to this many slots, a check over them loops in Python: cheaper than numpy's calls."""
+_SMALL = 48
+"""Up to this many slots, a check over them loops in Python: cheaper than numpy's calls
+(measured on the 2-core machine, checking slots of a 1M-slot directory: 13 slots 4.6 µs
+in Python against 14.9 in numpy, 64 slots 19.4 against 15.6)."""
 
 _log = get_logger("kvferry.cache")
 
@@ -401,14 +403,9 @@ class Directory:
         return self._index.keys_of(arr[self._index.holds(arr)])
 
     def _unindex(self, slots: list[int] | I64) -> None:
-        arr = np.asarray(slots, np.int64)
-        held = self._index.holds(arr)
-        if np.count_nonzero(held) < len(held):
-            for s in arr[~held].tolist():
-                self._broken("unindex_of_a_slot_without_key", "skipped", slot=s)
-            arr = arr[held]
         self._changes += 1
-        self._index.remove(arr)
+        for s in self._index.remove(np.asarray(slots, np.int64)):
+            self._broken("unindex_of_a_slot_without_key", "skipped", slot=s)
 
     def restore(self, keys: Sequence[Key]) -> int:
         """Enter ``keys`` as READY without a store (a lower tier's files found at start):
@@ -566,10 +563,9 @@ class Directory:
         self._end(np.unique(arr[ok]))
 
     def _end(self, slots: I64) -> None:
-        held = slots[self._index.holds(slots)]  # not those a reset forgot already
-        if len(held):
+        if len(slots):
             self._changes += 1
-            self._index.remove(held)
+            self._index.remove(slots)  # those a reset forgot already hold no key: left alone
         self._num_demoting -= len(slots)
         self._stuck = False
         self._release(slots)

@@ -273,16 +273,22 @@ class KeyIndex:
                 self._sm[s] = _OTHER
                 self.size += 1
 
-    def remove(self, slots: Sequence[int] | I64) -> None:
-        """Remove the keys of ``slots`` (in range, each holding a key, each once)."""
+    def remove(self, slots: Sequence[int] | I64) -> list[int]:
+        """Remove the keys of ``slots`` (in range, each once); returns the slots that held
+        no key (left alone)."""
         arr = np.asarray(slots, np.int64)
+        missing: list[int] = []
+        held = self._cell[arr] != NO_SLOT
+        if not held.all():
+            missing = arr[~held].tolist()
+            arr = arr[held]
         if self._recent:  # the answers about these keys, found by slot (none: b"")
             keys = map(self._recent_key.pop, arr.tolist(), repeat(b""))
             deque(map(self._recent.pop, keys, repeat(None)), 0)
         n = len(arr)
         if n > self.vectorize_removals:
             self._remove_many(arr)
-            return
+            return missing
         ncells, cells, over, where, shift = self._ncells, self._cm, self._om, self._sm, self._hm
         for s in arr.tolist():
             p = where[s]
@@ -299,6 +305,7 @@ class KeyIndex:
                 if over[p] < _SATURATED:
                     over[p] -= 1
         self.size -= n
+        return missing
 
     def _home_of(self, slot: int) -> int:
         length = self.key_len or 0
@@ -378,14 +385,19 @@ class DictIndex:
             key_of[s] = key
         self._slot_of.update(zip(keys, slot_list, strict=True))
 
-    def remove(self, slots: Sequence[int] | I64) -> None:
+    def remove(self, slots: Sequence[int] | I64) -> list[int]:
         # As chains of map over builtins: no Python bytecode per key (an eviction's cost).
         key_of = self._key_of
         slot_list = np.asarray(slots, np.int64).tolist()
         held = list(map(key_of.__getitem__, slot_list))
-        keys = [k for k in held if k is not None] if None in held else cast(list[bytes], held)
+        if None in held:
+            missing = [s for s, k in zip(slot_list, held, strict=True) if k is None]
+            keys = [k for k in held if k is not None]
+        else:
+            missing, keys = [], cast(list[bytes], held)
         deque(map(self._slot_of.pop, keys, repeat(None)), 0)  # a slot given twice: once
         deque(map(key_of.__setitem__, slot_list, repeat(None)), 0)
+        return missing
 
     def clear(self) -> None:
         self._slot_of.clear()

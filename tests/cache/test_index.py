@@ -195,3 +195,34 @@ def test_a_compact_directory_answers_as_a_dict_one_does(policy: str) -> None:
 def test_an_unknown_index_is_refused() -> None:
     with pytest.raises(ValueError, match="index"):
         Directory(4, index="btree")
+
+
+@pytest.mark.parametrize("vectorized", [False, True])
+@pytest.mark.parametrize("kind", ["compact", "dict"])
+def test_a_removal_names_the_slots_that_held_no_key_and_removes_the_rest(
+    kind: str, vectorized: bool
+) -> None:
+    from kvferry.cache._index import DictIndex
+
+    index: KeyIndex | DictIndex = KeyIndex(8) if kind == "compact" else DictIndex(8)
+    if vectorized and isinstance(index, KeyIndex):
+        index.vectorize_removals = 0
+    index.insert([key(1), key(2), key(3)], np.array([1, 2, 3]))
+    assert index.remove(np.array([2, 5, 1, 7])) == [5, 7]
+    assert index.find([key(1), key(2), key(3)]) == [-1, -1, 3]
+    assert index.size == 1
+    assert index.remove(np.array([3])) == []
+    assert index.size == 0
+
+
+def test_the_directory_reports_a_slot_it_unindexes_without_a_key() -> None:
+    """Invariant: a slot the directory drops holds a key. Broken (here by hand), the
+    report names the slot, and the other slots are dropped all the same."""
+    d = Directory(4)
+    slots = d.prepare_store([key(1), key(2)])
+    d.complete_store(slots, ok=True)
+    d._index.remove(slots[:1])  # the bug this guards against
+    before = d.invariant_errors
+    d._unindex(slots)
+    assert d.invariant_errors == before + 1
+    assert d._index.size == 0
