@@ -118,12 +118,12 @@ class TagTable:
             return np.zeros(len(tags), np.bool_)
         home = self.home(tags)
         tags2 = tags[:, None]
-        hit: npt.NDArray[np.bool_] = (self._tags[home] == tags2).view("<u8").ravel() != 0
+        hit: npt.NDArray[np.bool_] = (self._rows(home) == tags2).view("<u8").ravel() != 0
         todo = (~hit & (self._over[home] > 0)).nonzero()[0]
         bucket = home[todo]
         while len(todo):
             bucket = (bucket + 1) % self._nb
-            found = (self._tags[bucket] == tags2[todo]).view("<u8").ravel() != 0
+            found = (self._rows(bucket) == tags2[todo]).view("<u8").ravel() != 0
             hit[todo[found]] = True
             keep = ~found & (self._over[bucket] > 0)
             todo, bucket = todo[keep], bucket[keep]
@@ -134,7 +134,7 @@ class TagTable:
         if not self.size:
             return np.full(len(tags), -1, np.int64)
         home = self.home(tags)
-        hit, col = _first_set(self._tags[home] == tags[:, None])
+        hit, col = _first_set(self._rows(home) == tags[:, None])
         pos: I64 = home * WIDTH + col
         if hit.all():
             return pos
@@ -146,11 +146,17 @@ class TagTable:
         while len(todo):
             bucket[todo] = (bucket[todo] + 1) % self._nb
             b = bucket[todo]
-            hit, col = _first_set(self._tags[b] == tags[todo, None])
+            hit, col = _first_set(self._rows(b) == tags[todo, None])
             pos[todo[hit]] = b[hit] * WIDTH + col[hit]
             todo = todo[~hit]
             todo = todo[self._over[bucket[todo]] > 0]
         return pos
+
+    def _rows(self, buckets: I64) -> npt.NDArray[np.int64]:
+        """The tag rows of ``buckets``, (n, WIDTH): ``take`` along the first axis, 4x
+        faster than fancy indexing of a 2-D array (measured: 34 against 150 µs for 4,096)."""
+        rows: npt.NDArray[np.int64] = np.take(self._tags, buckets, axis=0)
+        return rows
 
     def insert(self, tags: I64, values: npt.ArrayLike) -> I64:
         """Insert each (tag, value); returns their flat positions. Tags must be nonzero."""
@@ -161,28 +167,32 @@ class TagTable:
         bucket = self.home(tags)
         pos = np.empty(n, np.int64)
         todo = np.arange(n)
+        flat_tags, flat_vals = self._tags.reshape(-1), self._vals.reshape(-1)
         while len(todo):
             b = bucket[todo]
-            # A large batch shares some bucket almost surely: no sort to find out.
-            ordered = np.sort(b) if 1 < len(b) <= 256 else b
-            if len(b) < 2 or (len(b) <= 256 and (ordered[1:] != ordered[:-1]).all()):
+            m = len(b)
+            # The round's tags by bucket, ties in their order: one sort of bucket * m + i
+            # (a stable argsort costs 6x as much).
+            ordered = np.sort(b * m + np.arange(m)) if m > 1 else b
+            runs = ordered // m if m > 1 else b
+            if m < 2 or not (runs[1:] == runs[:-1]).any():
                 # Distinct buckets (the common case of a small batch): each its first free cell.
-                fits, col = _first_set(self._tags[b] == 0)
+                fits, col = _first_set(self._rows(b) == 0)
             else:
                 # The i-th tag (in this round) of a bucket takes the bucket's i-th free cell;
                 # those that find none spill to the next bucket, counted in its ``_over``.
-                order = np.argsort(b, kind="stable")
-                todo, b = todo[order], b[order]
-                new_run = np.empty(len(b), bool)
+                todo, b = todo[ordered % m], runs
+                new_run = np.empty(m, bool)
                 new_run[0] = True
                 np.not_equal(b[1:], b[:-1], out=new_run[1:])
-                run_start = np.maximum.accumulate(np.where(new_run, np.arange(len(b)), 0))
-                rank = np.minimum(np.arange(len(b)) - run_start, WIDTH)
-                fits, col = _nth_set(self._tags[b] == 0, rank)
-            s, bf, col = todo[fits], b[fits], col[fits]
-            self._tags[bf, col] = tags[s]
-            self._vals[bf, col] = vals[s]
-            pos[s] = bf * WIDTH + col
+                run_start = np.maximum.accumulate(np.where(new_run, np.arange(m), 0))
+                rank = np.minimum(np.arange(m) - run_start, WIDTH)
+                fits, col = _nth_set(self._rows(b) == 0, rank)
+            s = todo[fits]
+            at = b[fits] * WIDTH + col[fits]
+            flat_tags[at] = tags[s]
+            flat_vals[at] = vals[s]
+            pos[s] = at
             todo = todo[~fits]
             if len(todo):
                 np.add.at(self._over, bucket[todo], 1)

@@ -45,6 +45,26 @@ def test_tag_table_maps_like_a_dict(ops: list[tuple[bool, int]]) -> None:
         assert int(table._over.sum()) == 0
 
 
+@SETTINGS
+@given(st.lists(st.integers(1, 700), min_size=1, max_size=5), st.integers(0, 2**32 - 1))
+def test_batch_inserts_land_where_find_finds_them(batches: list[int], seed: int) -> None:
+    """Batches small and large (the sorted path with ties in a bucket, and spills) into a
+    crowded table: every tag is found with its value, at the position insert returned."""
+    rng = np.random.default_rng(seed)
+    table = TagTable(sum(batches), max_load=0.9)
+    drawn = rng.choice(1 << 20, size=sum(batches), replace=False).astype(np.int64) << 1 | 1
+    ref: dict[int, int] = {}
+    start = 0
+    for n in batches:
+        batch, vals = drawn[start : start + n], np.arange(start, start + n)
+        pos = table.insert(batch, vals)
+        assert (table._tags.reshape(-1)[pos] == batch).all()
+        ref.update(zip(batch.tolist(), vals.tolist(), strict=True))
+        start += n
+    assert table.values_at(table.find(drawn)).tolist() == [ref[t] for t in drawn.tolist()]
+    assert table.contains(drawn).all() and table.size == len(ref)
+
+
 def test_a_batch_insert_into_one_bucket_spills_to_the_next() -> None:
     table = TagTable(4 * WIDTH, max_load=1.0)
     nb = table.num_buckets
