@@ -32,8 +32,9 @@ Figures:
   eviction (``evict_us_per_key_*``, the worst policy and watermarks).
 
 Traces are seeded from ``--seed`` (default: a fresh seed, printed first); ``--runs N``
-replays N traces (seeds ``seed``.. ``seed + N - 1``) and reports the median and the spread
-of the ratios. The last line printed is one JSON object with the figures.
+replays N traces (seeds ``seed``.. ``seed + N - 1``), and makes the scaling table once a
+seed, and reports the median and the spread (``*_spread``: min, max) of each figure.
+The last line printed is one JSON object with the figures.
 
 Measured on the 2-core CPU machine while other jobs (end-to-end tests) kept its load at
 5-9, seed 500, before and after an eviction's numpy calls were cut (fewer calls, index
@@ -553,16 +554,26 @@ def main() -> None:
             f"{idx['compact_bytes_per_key']:.0f} B/key, "
             f"{idx['compact_us_per_request']:.1f} us/request"
         )
-    scaling: dict[str, float] = {}
+    scaling: dict[str, Any] = {}
     if not args.skip_scaling:
         caps = CAPACITIES if not args.quick else {"10k": 10_000, "100k": 100_000}
-        scaling = scaling_table(
-            seed,
-            300 if args.quick else args.scaling_requests,
-            caps,
-            ("lru", "arc", "s3fifo"),
-            args.index,
-        )
+        tables: dict[str, list[float]] = {}
+        for run in range(args.runs):  # one table a seed, as the replays
+            for key, value in scaling_table(
+                seed + run,
+                300 if args.quick else args.scaling_requests,
+                caps,
+                ("lru", "arc", "s3fifo"),
+                args.index,
+            ).items():
+                tables.setdefault(key, []).append(value)
+        if args.runs > 1:
+            print(f"\nscaling over {args.runs} seeds ({seed}..{seed + args.runs - 1}):")
+            for key, values in tables.items():
+                print(f"  {key}: {spread(values)}")
+        for key, values in tables.items():
+            scaling[key] = sorted(values)[len(values) // 2]
+            scaling[f"{key}_spread"] = [min(values), max(values)]
 
     def median(values: list[float] | None) -> float | None:
         return round(sorted(values)[len(values) // 2], 4) if values else None
