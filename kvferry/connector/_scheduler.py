@@ -622,7 +622,7 @@ class SchedulerSide:
         both[dmask] = reserved
         parts = load_parts(geo, plan, both)
         redis_keys: list[bytes] = []
-        redis_slots = reserved
+        redis_slots = np.zeros(0, np.int64)
         if disk_keys:
             from_redis = disk_lease[3] if disk_lease is not None else frozenset()
             rmask = np.fromiter((k in from_redis for k in disk_keys), np.bool_, len(disk_keys))
