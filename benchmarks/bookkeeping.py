@@ -48,6 +48,11 @@ table of millions (~0.5 µs a key of cache misses). ``scaling_4m_vs_10k`` 1.3-2.
 (1, 1)): the 10k runs got faster (their eviction was mostly numpy calls), the 4M ones
 pay cache misses per op (a dict of 4M keys, arrays of 4M slots). Before any of this, an
 eviction at (1, 1) passed over every slot: 28 µs per op for LRU at (1, 1) on the replay.
+Later, with the ghost lists' tag table taking rows with ``np.take`` and ordering a batch
+by one sort (a push of 64 tags 52 -> 25 µs at 100k slots), ``--runs 3`` (seeds
+500-502), on a quieter machine: ``evict_us_per_key_1m`` median 1.90 (1.82-2.71),
+``_4m`` 3.21 (2.91-3.26; ARC inline, its index removals and recency pops), and
+``scaling_4m_vs_10k`` 1.48 (1.22-2.10).
 ``--quick`` runs small traces and capacities (what the tests run).
 """
 
