@@ -541,8 +541,8 @@ def measure(
     if kf.handled_now is not None:
         now, sent = kf.handled_now
         print(
-            f"kvferry's asks and tells to its actors: {now} of {sent} handled on the engine "
-            "thread without a loop turn (the stepped runtime's immediate messages)"
+            f"kvferry's asks and tells to its actors: {now} of {sent} handled without a turn "
+            "of the actor's task (its immediate messages, the sync runtime's short way)"
         )
     if kf.host_blocks != vl.host_blocks:
         notes.append(

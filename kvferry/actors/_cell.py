@@ -179,7 +179,7 @@ class _Cell(Generic[M]):
             self._current = reply
             try:
                 if type(msg) in self.actor.immediate:
-                    self._run_now(msg, hop)  # as the stepped runtime's short way runs it
+                    self._run_now(msg, hop)  # as the sync runtimes' short ways run it
                 elif hop is None and tracer is None:
                     # Set in this actor's own context and left set: the next message
                     # overwrites it, and nothing else runs in this context meanwhile.

@@ -173,9 +173,12 @@ class TagTable:
             m = len(b)
             # The round's tags by bucket, ties in their order: one sort of bucket * m + i
             # (a stable argsort costs 6x as much).
-            ordered = np.sort(b * m + np.arange(m)) if m > 1 else b
-            runs = ordered // m if m > 1 else b
-            if m < 2 or not (runs[1:] == runs[:-1]).any():
+            distinct = m < 2
+            if not distinct:
+                ordered = np.sort(b * m + np.arange(m))
+                runs = ordered // m
+                distinct = not (runs[1:] == runs[:-1]).any()
+            if distinct:
                 # Distinct buckets (the common case of a small batch): each its first free cell.
                 fits, col = _first_set(self._rows(b) == 0)
             else:
