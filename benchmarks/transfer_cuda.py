@@ -14,22 +14,28 @@ head_dim)`` bf16, K and V split):
 
 Every trial moves ``JOBS`` jobs of ``BLOCKS_PER_JOB`` engine blocks drawn at random, to
 host rows drawn at random (a fragmented pool), all in flight at once, timed from the first
-submission to the end of the last job (``torch.cuda.synchronize``):
+submission to the end of the last job (its completion, then ``torch.cuda.synchronize``):
 
 - ``dma``: the limit — one contiguous pinned copy of the same bytes, one way; ``dma2``
   both ways at once on two streams;
-- kvferry's default (staged) path: :class:`~kvferry.transfer.CudaCopyEngine`, jobs one by
-  one through ``submit(job)`` (``*_each``) and as one step batch through
-  ``submit_batch(jobs)`` (``*_batch``); stores and loads at once (``both``, half the
-  bytes each way) against ``dma2``;
+- kvferry's default (staged) path, enqueued by the engine's issue thread:
+  :class:`~kvferry.transfer.CudaCopyEngine`, jobs one by one through ``submit(job)``
+  (``*_each``) and as one step batch through ``submit_batch(jobs)`` (``*_batch``); stores
+  and loads at once (``both``, half the bytes each way) against ``dma2``; ``*_steps``:
+  ``STEPS`` step batches handed over back to back, as consecutive engine steps do;
+  ``*_chunked``: each job to the consecutive rows of one host slot, as the connector's
+  pool lays out a chunk; ``*_inline``: the same step batch enqueued by the calling
+  thread (``issue="inline"``);
 - the direct path (``direct_*``; ``*_p1`` / ``*_p8`` with ``row_programs`` capped);
 - ``native``: vLLM 0.32's way, one ``cuMemcpyBatchAsync`` per job of every (block,
   layer, K/V) page (through ``cuda.bindings``, where importable; its arguments are built
   before the timing, as vLLM builds them in C++).
 
 ``submit_us_per_batch`` / ``_per_job`` is the calling thread's time inside the
-submissions of a step batch (``direct_submit_us_per_batch`` on the direct path). Trials
-alternate the configurations; figures are medians.
+submissions of a step batch (``inline_submit_us_per_batch`` when it enqueues them itself,
+``direct_submit_us_per_batch`` on the direct path); ``issue_thread_us_per_batch`` /
+``_per_piece`` the issue thread's CPU time for one. Trials alternate the configurations;
+figures are medians.
 
 Compute beside copies: a chain of 8192^3 bf16 matrix products on a compute stream,
 alone and while rounds of step batches run, for each path (``compute_slowdown_*``, and
@@ -44,17 +50,19 @@ ticks every 1 ms and records its lag (``ferry_loop_lag_ms_p99`` / ``_max``).
 ``_huge`` / ``_small`` with transparent huge pages forced on / off;
 ``unpinned_pool_s_32g_huge`` the same pool populated but not pinned.
 
-Measured on an H200 (PCIe gen 5 x16; DMA 55 GB/s each way, 100 GB/s both ways), the last
-of five runs of one session: staged store / load 0.96 / 0.98 of DMA at 32 KiB pages and
-0.83 / 0.88 with step batches at 4 KiB; vLLM's way 1.03x / 1.01x and 5.1x / 6.2x of it
-(vLLM's way itself varied from run to run: 33-54 GB/s at 32 KiB); both ways at once 0.91
-/ 0.67 of the two-way limit; direct 0.94 / 0.91 and 0.91 / 0.88; matrix products beside
-the copies 1.02x as long (staged), 3.6x (direct), 2.1x (direct, one program per page; over
-the five runs 0.97-1.04x, 3.1-4.3x, 2.0-2.3x); a staged 2 GiB step batch held the calling
-thread 6.0 ms (64 pieces), a 192 MiB one 1.4 ms, direct 0.9 / 0.3 ms; ``Ferry``'s loop lag
-4.1 ms at p99 (4.7 at worst), its stores and loads 0.65 / 0.75 of DMA (over the runs
-1.8-4.3 ms and 0.56-0.86 / 0.60-0.89); a pinned 32 GiB pool 5.5 s (huge pages, now the
-default when pinning; 5.1 s of it populating), 10.6 s with small pages.
+Measured on an H200 (PCIe gen 5 x16; DMA 54-55 GB/s each way, 100 GB/s both ways), one
+run of a session (its machine slower on the CPU side than an earlier session's, where the
+path then reached 0.83 / 0.88 at 4 KiB): staged store / load 0.955 / 0.965 of DMA at
+32 KiB pages (0.976 / 0.988 as consecutive step batches), 0.79 / 0.77 at 4 KiB (0.88 / 0.92
+as step batches, 0.80 / 0.80 chunked); vLLM's way 1.43x / 1.55x and 5.1x / 5.6x of it;
+both ways at once 0.89 / 0.53 of the two-way limit (as step batches 0.81 / 0.73); the
+calling thread 71 µs for a 64-job step batch of 2 GiB and 37 µs for one of 192 MiB
+(enqueuing them inline: 9.5 / 1.7 ms; the issue thread's CPU 104 / 237 µs a piece);
+direct 0.92 / 0.89 and 0.74 / 0.74; matrix products beside the copies 1.02x as long
+(staged), 3.8x (direct), 2.4x (direct, one program per page); ``Ferry``'s loop lag 2.8 ms
+at p99 (3.0 at worst), its stores and loads 0.79 / 0.79 of DMA; a pinned 32 GiB pool
+8.9 s by default (huge pages; timed first), 5.7 s with huge pages forced (timed next; 4.8
+s of it populating), 10.5 s with small pages.
 """
 
 from __future__ import annotations
@@ -93,6 +101,8 @@ PROGRAM_CAPS = (1, 8)
 """Caps on the direct kernel's programs along the rows (``row_programs``), measured beside
 the default: how few multiprocessors' worth of programs still fill the link."""
 TRIALS = 3 if QUICK else 7
+STEPS = 4
+"""Step batches handed over back to back in the ``*_steps`` configurations."""
 
 
 def kv_caches(shape: str, num_blocks: int, device: str) -> dict[str, torch.Tensor]:
@@ -106,11 +116,24 @@ def kv_caches(shape: str, num_blocks: int, device: str) -> dict[str, torch.Tenso
 
 
 def make_jobs(
-    direction: str, num_blocks: int, num_rows: int, seed: int, first_id: int = 0
+    direction: str,
+    num_blocks: int,
+    num_rows: int,
+    seed: int,
+    first_id: int = 0,
+    *,
+    chunked: bool = False,
 ) -> list[CopyJob]:
+    """``JOBS`` jobs of ``BLOCKS_PER_JOB`` random engine blocks; each block to a random
+    host row, or (``chunked``) each job to the consecutive rows of a random host slot,
+    as the connector's pool lays out a chunk."""
     rng = np.random.default_rng(seed)
     blocks = rng.choice(num_blocks, JOBS * BLOCKS_PER_JOB, replace=False)
-    rows = rng.choice(num_rows, JOBS * BLOCKS_PER_JOB, replace=False)
+    if chunked:
+        slots = rng.choice(num_rows // BLOCKS_PER_JOB, JOBS, replace=False)
+        rows = (slots[:, None] * BLOCKS_PER_JOB + np.arange(BLOCKS_PER_JOB)).ravel()
+    else:
+        rows = rng.choice(num_rows, JOBS * BLOCKS_PER_JOB, replace=False)
     out = []
     for j in range(JOBS):
         sl = slice(j * BLOCKS_PER_JOB, (j + 1) * BLOCKS_PER_JOB)
@@ -142,9 +165,14 @@ def plan_cost(shape: str) -> float:
 
 
 def timed(fn: Callable[[], Any]) -> float:
+    """Seconds from the call of ``fn`` to the end of everything it started: the jobs
+    whose completions it returns (handed to an engine's issue thread, they are enqueued
+    only then), and the device."""
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    fn()
+    started = fn()
+    for completion in started if isinstance(started, list) else ():
+        completion.synchronize()
     torch.cuda.synchronize()
     return time.perf_counter() - t0
 
@@ -208,7 +236,8 @@ def measure_shape(shape: str, figures: dict[str, Any]) -> list[tuple[str, str, f
     layout = describe_kv_caches(kv, [list(kv)], num_blocks)
     num_rows = 2 * JOBS * BLOCKS_PER_JOB
     pool = HostPool(num_slots=num_rows, blocks_per_chunk=1, row_bytes=layout.row_bytes, pin=True)
-    engine = CudaCopyEngine(layout, pool)  # the default path: staged
+    engine = CudaCopyEngine(layout, pool)  # the default path: staged, issue thread
+    inline = CudaCopyEngine(layout, pool, issue="inline")  # enqueued by the calling thread
     direct = CudaCopyEngine(layout, pool, path="direct")
     nbytes = JOBS * BLOCKS_PER_JOB * layout.row_bytes
     dev_buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
@@ -235,21 +264,33 @@ def measure_shape(shape: str, figures: dict[str, Any]) -> list[tuple[str, str, f
         with torch.cuda.stream(s2):
             dev_buf2.copy_(host_buf2, non_blocking=True)
 
-    def each(jobs: list[CopyJob]) -> None:
-        for j in jobs:
-            engine.submit(j)
+    def each(jobs: list[CopyJob]) -> list[Any]:
+        return [engine.submit(j) for j in jobs]
 
-    def batch(jobs: list[CopyJob]) -> None:
+    def batch(jobs: list[CopyJob], by: CudaCopyEngine = engine) -> list[Any]:
         t0 = time.perf_counter()
-        engine.submit_batch(jobs)
-        submit_us.append((time.perf_counter() - t0) * 1e6)
+        done = by.submit_batch(jobs)
+        (submit_us if by is engine else inline_us).append((time.perf_counter() - t0) * 1e6)
+        return done
+
+    inline_us: list[float] = []
+    issue_us: list[float] = []  # the issue thread's CPU time for a step batch
+    issue_pieces: list[int] = []
+
+    def issuing(key: str, fn: Callable[[], list[Any]]) -> None:
+        before = engine.statistics()
+        add(key, timed(fn))  # its jobs ended: the issue thread is done with the batch
+        after = engine.statistics()
+        issue_us.append((after.issue_cpu_s - before.issue_cpu_s) * 1e6)
+        issue_pieces.append(after.pieces - before.pieces)
 
     native_stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
 
-    def direct_batch(jobs: list[CopyJob]) -> None:
+    def direct_batch(jobs: list[CopyJob]) -> list[Any]:
         t0 = time.perf_counter()
-        direct.submit_batch(jobs)
+        done = direct.submit_batch(jobs)
         direct_us.append((time.perf_counter() - t0) * 1e6)
+        return done
 
     direct_us: list[float] = []
 
@@ -258,10 +299,12 @@ def measure_shape(shape: str, figures: dict[str, Any]) -> list[tuple[str, str, f
         for a in args:
             native.submit(a, native_stream)  # type: ignore[union-attr]
 
-    def capped(jobs: list[CopyJob], programs: int) -> None:
-        direct.row_programs = programs
+    def capped(jobs: list[CopyJob], programs: int) -> list[Any]:
+        direct.row_programs = programs  # read when the issue thread enqueues the batch
         try:
-            direct.submit_batch(jobs)
+            done = direct.submit_batch(jobs)
+            direct.wait_enqueued()
+            return done
         finally:
             direct.row_programs = default_programs
 
@@ -271,14 +314,34 @@ def measure_shape(shape: str, figures: dict[str, Any]) -> list[tuple[str, str, f
     for trial in range(TRIALS):
         stores = make_jobs("store", num_blocks, num_rows, 100 + trial)
         loads = make_jobs("load", num_blocks, num_rows, 150 + trial, first_id=1000)
+        chunked = [
+            make_jobs(d, num_blocks, num_rows, 170 + trial, chunked=True) for d in ("store", "load")
+        ]
         add("dma_store", timed(lambda: host_buf.copy_(dev_buf, non_blocking=True)))
         add("dma_load", timed(lambda: dev_buf.copy_(host_buf, non_blocking=True)))
         add("dma2", timed(two_way), 2 * nbytes)
         add("store_each", timed(lambda: each(stores)))  # noqa: B023 (called at once)
         add("load_each", timed(lambda: each(loads)))  # noqa: B023
-        add("store_batch", timed(lambda: batch(stores)))  # noqa: B023
-        add("load_batch", timed(lambda: batch(loads)))  # noqa: B023
+        issuing("store_batch", lambda: batch(stores))  # noqa: B023
+        issuing("load_batch", lambda: batch(loads))  # noqa: B023
         add("both", timed(lambda: batch(stores[:half] + loads[:half])))  # noqa: B023
+        # consecutive engine steps: STEPS batches handed over back to back, as a serving
+        # engine does, so one batch's planning overlaps the last one's copies
+        steps = {
+            d: [make_jobs(d, num_blocks, num_rows, 200 + 10 * trial + k) for k in range(STEPS)]
+            for d in ("store", "load")
+        }
+        for d, batches in steps.items():
+            moved = STEPS * nbytes
+            add(f"{d}_steps", timed(lambda b=batches: [c for j in b for c in batch(j)]), moved)
+        mixed = [s[:half] + l_[half:] for s, l_ in zip(steps["store"], steps["load"], strict=True)]
+        add("both_steps", timed(lambda: [c for j in mixed for c in batch(j)]), STEPS * nbytes)  # noqa: B023
+        add("store_chunked", timed(lambda: batch(chunked[0])))  # noqa: B023
+        add("load_chunked", timed(lambda: batch(chunked[1])))  # noqa: B023
+        add("both_chunked", timed(lambda: batch(chunked[0][:half] + chunked[1][half:])))  # noqa: B023
+        add("store_inline", timed(lambda: batch(stores, inline)))  # noqa: B023
+        add("load_inline", timed(lambda: batch(loads, inline)))  # noqa: B023
+        add("both_inline", timed(lambda: batch(stores[:half] + loads[:half], inline)))  # noqa: B023
         add("direct_store_batch", timed(lambda: direct_batch(stores)))  # noqa: B023
         add("direct_load_batch", timed(lambda: direct_batch(loads)))  # noqa: B023
         add("direct_both", timed(lambda: direct.submit_batch(stores[:half] + loads[:half])))  # noqa: B023
@@ -295,6 +358,7 @@ def measure_shape(shape: str, figures: dict[str, Any]) -> list[tuple[str, str, f
                 print(f"[{shape}] vLLM's way failed: {exc!r}")
                 native = None
     engine.close()
+    inline.close()
     direct.close()
     med = {k: statistics.median(v) for k, v in res.items()}
     # a direction's figure is its better way: one by one, or as a step batch
@@ -311,6 +375,19 @@ def measure_shape(shape: str, figures: dict[str, Any]) -> list[tuple[str, str, f
     figures[f"submit_us_per_batch_{shape}"] = round(per_batch, 1)
     figures[f"submit_us_per_job_{shape}"] = round(per_batch / JOBS, 2)
     figures[f"direct_submit_us_per_batch_{shape}"] = round(statistics.median(direct_us), 1)
+    figures[f"inline_submit_us_per_batch_{shape}"] = round(statistics.median(inline_us), 1)
+    figures[f"issue_thread_us_per_batch_{shape}"] = round(statistics.median(issue_us), 1)
+    figures[f"issue_thread_us_per_piece_{shape}"] = round(sum(issue_us) / sum(issue_pieces), 1)
+    for d in ("store", "load"):
+        figures[f"{d}_chunked_vs_dma_{shape}"] = round(med[f"{d}_chunked"] / med[f"dma_{d}"], 3)
+    figures[f"both_chunked_vs_dma_{shape}"] = round(med["both_chunked"] / med["dma2"], 3)
+    for d in ("store", "load"):
+        figures[f"{d}_steps_vs_dma_{shape}"] = round(med[f"{d}_steps"] / med[f"dma_{d}"], 3)
+    figures[f"both_steps_vs_dma_{shape}"] = round(med["both_steps"] / med["dma2"], 3)
+    for d in ("store", "load", "both"):
+        figures[f"inline_{d}_vs_thread_{shape}"] = round(
+            med[f"{d}_inline"] / med[d if d == "both" else f"{d}_batch"], 3
+        )
     figures[f"direct_store_vs_dma_{shape}"] = round(med["direct_store_batch"] / med["dma_store"], 3)
     figures[f"direct_load_vs_dma_{shape}"] = round(med["direct_load_batch"] / med["dma_load"], 3)
     figures[f"direct_both_vs_dma_{shape}"] = round(med["direct_both"] / med["dma2"], 3)

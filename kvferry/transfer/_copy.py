@@ -219,7 +219,10 @@ def copy_job(layout: KVLayout, pool: HostPool, job: CopyJob) -> int:
         return plan.nbytes
     from ._cuda import CudaCopyEngine
 
-    engine = CudaCopyEngine(layout, pool, staging_bytes=max(job.num_blocks, 1) * pool.row_bytes)
+    # waited for at once: enqueued by this thread, no issue thread to start
+    engine = CudaCopyEngine(
+        layout, pool, issue="inline", staging_bytes=max(job.num_blocks, 1) * pool.row_bytes
+    )
     try:
         completion = engine.submit(job)
         completion.synchronize()

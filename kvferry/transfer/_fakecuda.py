@@ -103,15 +103,20 @@ class FakeCudaDevice:
         self.kernel_launches = 0
         self.uploads = 0
         self.memcpys = 0
+        self.bound_threads: list[str] = []
         self._local = threading.local()
 
     # -- what the engine calls
+    def bind_thread(self) -> None:
+        """Counts the threads bound (the engine's issue thread binds itself)."""
+        self.bound_threads.append(threading.current_thread().name)
+
     def new_stream(self, direction: str) -> FakeStream:
         stream = FakeStream(name=f"{direction}#{len(self.streams)}")
         self.streams.append(stream)
         return stream
 
-    def new_event(self) -> FakeCudaEvent:
+    def new_event(self, blocking: bool = True) -> FakeCudaEvent:
         event = FakeCudaEvent(fire_on_record=self.fire_events)
         self.events.append(event)
         return event
@@ -121,6 +126,9 @@ class FakeCudaDevice:
 
     def use_stream(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
         return self.current(stream)
+
+    def set_stream(self, stream: Any) -> None:
+        self._local.stream = stream
 
     def pinned(self, n: int) -> torch.Tensor:
         return torch.empty(n, dtype=torch.int64)

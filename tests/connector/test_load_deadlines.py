@@ -117,7 +117,11 @@ DEVICE = FakeCudaDevice(fire_events=False)
 def fake_cuda_engine(layout: KVLayout, pool: HostPool) -> CudaCopyEngine:
     """A ``copy_engine`` factory: the CUDA engine on a fake device whose events fire when
     the test says."""
-    return CudaCopyEngine(layout, pool, ops=DEVICE)
+    ENGINES.append(CudaCopyEngine(layout, pool, ops=DEVICE))
+    return ENGINES[-1]
+
+
+ENGINES: list[CudaCopyEngine] = []
 
 
 @pytest.fixture
@@ -137,6 +141,7 @@ def test_a_worker_reports_a_load_the_scheduler_ended_as_failed_when_it_ends(work
     worker.start_load_kv(KVFerryMetadata(loads=[JobSpec(req_id="r", copy=copy)]))
     assert worker.get_finished() == (None, None)  # in flight
     worker.start_load_kv(KVFerryMetadata(failed_load_job_ids=[7, 99]))  # 99: not in flight
+    ENGINES[-1].wait_enqueued()  # the load's events exist once it is enqueued
     for event in DEVICE.events:
         event.fire()
     assert worker.get_finished() == (None, {"r"})

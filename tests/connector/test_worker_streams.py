@@ -50,6 +50,7 @@ def test_a_store_waits_for_the_engine_threads_compute_stream(worker: Any) -> Non
     with DEVICE.current(compute):  # vLLM's model thread, inside its forward context
         worker.wait_for_save(store_meta(1))
     worker.get_finished()  # a poll: the store actor has handled the batch before it
+    ENGINES[-1].wait_enqueued()  # and the engine's issue thread has enqueued it
     kernel = ENGINES[-1]._lanes["store"].kernel  # the stream that gathers the blocks
     [waited] = kernel.waited_events
     assert waited.recorded_on is compute  # not the actors' thread's default stream

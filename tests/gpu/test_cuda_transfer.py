@@ -28,7 +28,7 @@ from kvferry.transfer import (
     describe_kv_caches,
     new_copy_engine,
 )
-from kvferry.transfer._cuda import CopyPath, TorchCudaOps
+from kvferry.transfer._cuda import CopyPath, IssueMode, TorchCudaOps
 from tests.transfer.kvlayouts import KV, LAYOUTS, NB, vllm_cpu
 
 pytestmark = pytest.mark.gpu
@@ -190,13 +190,14 @@ def test_a_step_batch_bigger_than_the_ring_round_trips_bit_exactly() -> None:
         engine.close()
 
 
+@pytest.mark.parametrize("issue", ["thread", "inline"])
 @pytest.mark.parametrize("path", ["direct", "staged"])
-def test_stores_and_loads_at_once_each_round_trip(path: CopyPath) -> None:
+def test_stores_and_loads_at_once_each_round_trip(path: CopyPath, issue: IssueMode) -> None:
     kv = vllm_cpu("cuda")
     before = kv.snapshot()
     layout = describe_kv_caches(kv.tensors, kv.groups, NB)
     pool = HostPool(num_slots=ROWS, blocks_per_chunk=1, row_bytes=layout.row_bytes, pin=True)
-    engine = CudaCopyEngine(layout, pool, path=path)
+    engine = CudaCopyEngine(layout, pool, path=path, issue=issue)
     try:
         [seed] = engine.submit_batch([job(1, "store", [0, 1, 2], [6, 7, 8])])  # type: ignore[attr-defined]
         seed.synchronize()

@@ -5,6 +5,7 @@ asked of the device."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +18,7 @@ from kvferry.testing import FakeCudaDevice, FakeCudaEvent, FakeStream
 from kvferry.transfer import (
     CopyJob,
     CudaCopyEngine,
+    DeviceFenced,
     Flushed,
     FlushJobs,
     GroupBlocks,
@@ -27,7 +29,7 @@ from kvferry.transfer import (
     SubmitJobs,
     describe_kv_caches,
 )
-from kvferry.transfer._cuda import CopyPath
+from kvferry.transfer._cuda import CopyPath, IssueMode
 from kvferry.transfer._pages import element_bytes, plan_batch
 
 from .kvlayouts import KV, LAYOUTS, NB, per_layer_split_hnd, per_layer_split_nhd, two_groups
@@ -47,6 +49,7 @@ def setup(
     fire: bool = True,
     path: CopyPath = "staged",
     row_programs: int = 1024,
+    issue: IssueMode = "thread",
 ) -> tuple[KVLayout, HostPool, CudaCopyEngine, FakeCudaDevice]:
     layout = describe_kv_caches(kv.tensors, kv.groups, NB, kv.block_stride_bytes)
     pool = HostPool(num_slots=rows, blocks_per_chunk=1, row_bytes=layout.row_bytes)
@@ -58,15 +61,17 @@ def setup(
         staging_bytes=slot_rows * ring * pool.row_bytes,
         ring_slots=ring,
         row_programs=row_programs,
+        issue=issue,
         ops=device,
     )
     assert engine.path == path
     return layout, pool, engine, device
 
 
-def ended_ok(completions: list[object]) -> None:
+def ended_ok(completions: list[Any]) -> None:
     for c in completions:
-        assert c.query() and c.exception() is None  # type: ignore[attr-defined]
+        c.synchronize()  # the issue thread enqueued it (the fakes' events fired then)
+        assert c.query() and c.exception() is None
 
 
 def expect_moved(
@@ -151,6 +156,7 @@ def test_consecutive_host_rows_go_as_one_dma_per_run() -> None:
             job(3, "store", [5, 6], [10, 11]),
         ]
     )
+    engine.wait_enqueued()
     assert device.memcpys == engine.statistics().dma_copies == 2  # [3..6], [9..11]
 
 
@@ -178,9 +184,10 @@ def test_a_pieces_runs_go_in_one_batched_copy_where_the_device_has_one(batched: 
     assert device.memcpy_batches == (4 if batched else 0)
 
 
-def test_a_batch_of_both_directions_goes_out_a_piece_of_each_in_turn() -> None:
+@pytest.mark.parametrize("issue", ["thread", "inline"])
+def test_a_batch_of_both_directions_goes_out_a_piece_of_each_in_turn(issue: IssueMode) -> None:
     kv = per_layer_split_nhd()
-    _, _, engine, device = setup(kv, slot_rows=2, ring=2)
+    _, _, engine, device = setup(kv, slot_rows=2, ring=2, issue=issue)
     seen: list[tuple[bool, object]] = []
     real = device.copy_rows
 
@@ -189,9 +196,9 @@ def test_a_batch_of_both_directions_goes_out_a_piece_of_each_in_turn() -> None:
         real(*args)
 
     device.copy_rows = logged  # type: ignore[method-assign]
-    engine.submit_batch(
-        [job(1, "store", [0, 1, 2, 3], [0, 1, 2, 3]), job(2, "load", [4, 5, 6, 7], [9, 8, 7, 6])]
-    )
+    both = [job(1, "store", [0, 1, 2, 3], [0, 1, 2, 3]), job(2, "load", [4, 5, 6, 7], [9, 8, 7, 6])]
+    engine.submit_batch(both)
+    engine.wait_enqueued()
     loads, stores = engine._lanes["load"].kernel, engine._lanes["store"].kernel
     # two pieces each way, a load's first: each launch on its own lane's kernel stream
     assert [(d, stream) for d, stream in seen] == [
@@ -200,7 +207,9 @@ def test_a_batch_of_both_directions_goes_out_a_piece_of_each_in_turn() -> None:
         (True, loads),
         (False, stores),
     ]
-    assert device.current_stream() is device.default_stream  # every context was left
+    # the calling thread's current stream is left as it was (the issue thread's own is
+    # set before each op that uses it)
+    assert device.current_stream() is device.default_stream
 
 
 def test_a_direction_that_fails_before_enqueuing_fails_alone() -> None:
@@ -216,10 +225,12 @@ def test_a_direction_that_fails_before_enqueuing_fails_alone() -> None:
 
     device.new_stream = no_store_lane  # type: ignore[method-assign]
     [first] = engine.submit_batch([job(1, "store", [0, 1], [0, 1])])
+    first.synchronize()
     assert first.query() and "out of memory" in repr(first.exception())  # no raise
     store, load = engine.submit_batch(
         [job(2, "store", [2], [2]), job(3, "load", [5, 6, 7], [0, 1, 2])]
     )
+    store.synchronize()
     assert store.query() and "out of memory" in repr(store.exception())
     ended_ok([load])  # the loads went on: rows 0..2 (never written: zeros) in blocks 5..7
     for name in kv.groups[0]:
@@ -249,6 +260,7 @@ def test_device_launches_per_batch_do_not_grow_with_the_layer_count(
         assert len(layout.groups[0].segments) == 2 * num_layers  # K and V of every layer
         engine.submit_batch([job(i, direction, [i, i + 4], [2 * i, 2 * i + 1]) for i in range(4)])
         engine.submit(job(9, direction, [9], [30]))  # a single job, as external callers do
+        engine.wait_enqueued()
         stats = engine.statistics()
         counts.append((device.kernel_launches, stats.table_uploads, device.memcpys, device.uploads))
     # per batch: one row table, one launch, and (staged) one DMA per run; the page
@@ -284,6 +296,7 @@ def test_a_batch_waits_on_the_compute_mark_and_each_job_ends_with_its_piece() ->
     a, b = engine.submit_batch(
         [job(1, "store", [0, 1], [0, 1]), job(2, "store", [2, 3], [2, 3])], mark
     )
+    engine.wait_enqueued()
     kernel, dma = device.streams  # the store lane's two streams
     assert kernel.waited_events[0] is mark.event  # the gather reads after the forward
     assert not a.query() and not b.query()
@@ -299,6 +312,7 @@ def test_a_slot_is_reused_only_after_its_last_dma_ended_without_a_cpu_wait() -> 
     kv = per_layer_split_nhd()
     _, _, engine, device = setup(kv, slot_rows=1, ring=2, fire=False)
     engine.submit_batch([job(1, "store", [0, 1, 2], [0, 1, 2])])  # pieces 0,1,2 on slots 0,1,0
+    engine.wait_enqueued()
     kernel, dma = device.streams
     dma_ends = [e for e in device.events if e.recorded_on is dma]
     assert dma_ends[0] in kernel.waited_events  # piece 2's gather waits for piece 0's DMA
@@ -312,6 +326,7 @@ def test_a_load_is_ordered_after_compute_where_it_writes_the_engines_blocks() ->
     with device.current(compute):
         mark = engine.capture_compute()
     engine.submit_batch([job(1, "load", [0], [0])], mark)
+    engine.wait_enqueued()
     kernel, dma = device.streams
     assert mark.event in kernel.waited_events and mark.event not in dma.waited_events
 
@@ -331,6 +346,7 @@ def test_a_batch_failing_half_way_ends_only_after_what_it_enqueued() -> None:
 
     device.copy_rows = second_launch_fails  # type: ignore[method-assign]
     first, second = engine.submit_batch([job(1, "store", [0], [0]), job(2, "store", [1], [1])])
+    engine.wait_enqueued()
     assert not first.query() and not second.query()
     for event in device.events[:-1]:
         event.fire()
@@ -344,8 +360,9 @@ def test_a_job_naming_blocks_that_do_not_exist_fails_alone() -> None:
     kv = per_layer_split_nhd()
     _, pool, engine, device = setup(kv)
     bad, good = engine.submit_batch([job(1, "load", [NB], [0]), job(2, "store", [1], [1])])
+    bad.synchronize()  # checked on the issue thread: the calling thread only hands over
     assert bad.query() and isinstance(bad.exception(), IndexError)
-    assert good.query() and good.exception() is None
+    ended_ok([good])
     assert device.kernel_launches == 1
     with pytest.raises(IndexError):
         engine.submit(job(3, "load", [0], [999]))  # submit alone raises, enqueues nothing
@@ -376,6 +393,7 @@ async def test_a_flush_fences_the_marks_compute_stream_and_does_not_wait() -> No
         assert compute.waited_events == [job_end]
         assert device.default_stream.waited_events == []
         assert await store.ask(PollFinished) == []  # still in flight until its event fires
+        engine.wait_enqueued()  # job 2's events exist once the issue thread enqueued it
         for e in device.events:
             e.fire()
         assert [r.job_id for r in await store.ask(PollFinished)] == [1, 2]
@@ -422,6 +440,7 @@ def test_the_direct_path_orders_a_batch_after_the_mark_and_ends_every_job_with_i
     a, b = engine.submit_batch(
         [job(1, "store", [0, 1], [0, 1]), job(2, "store", [2, 3], [5, 9])], mark
     )
+    engine.wait_enqueued()
     [stream] = device.streams  # one stream per direction: no DMA stream
     assert stream.waited_events == [mark.event]
     [end] = [e for e in device.events if e.recorded_on is stream]
@@ -429,6 +448,7 @@ def test_the_direct_path_orders_a_batch_after_the_mark_and_ends_every_job_with_i
     end.fire()
     assert a.query() and b.query() and a.exception() is None and b.exception() is None
     load = engine.submit(job(3, "load", [4], [0]), mark)
+    engine.wait_enqueued()
     assert len(device.streams) == 2 and device.streams[1].waited_events == [mark.event]
     assert not load.query()
 
@@ -442,6 +462,7 @@ def test_the_direct_path_fails_a_batch_whose_launch_fails_only_after_what_it_enq
 
     device.copy_rows = launch_fails  # type: ignore[method-assign]
     first, second = engine.submit_batch([job(1, "store", [0], [0]), job(2, "store", [1], [1])])
+    engine.wait_enqueued()
     assert not first.query() and not second.query()  # the upload may still run
     device.events[-1].fire()
     for c in (first, second):
@@ -461,3 +482,149 @@ def test_copies_are_staged_by_default_and_direct_only_where_the_device_reaches_t
         CudaCopyEngine(layout, pool, path="auto", ops=unreachable)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="row_programs must be >= 1"):
         CudaCopyEngine(layout, pool, row_programs=0, ops=unreachable)
+
+
+# ----------------------------------------------------------------- the issue thread
+
+
+@pytest.mark.parametrize("issue", ["thread", "inline"])
+def test_the_device_is_driven_from_the_issue_thread_alone(issue: IssueMode) -> None:
+    kv = per_layer_split_nhd()
+    _, _, engine, device = setup(kv, slot_rows=2, ring=2, issue=issue)
+    threads: set[str] = set()
+    for name in ("copy_rows", "upload", "memcpy_batch", "new_stream"):
+        real = getattr(device, name)
+
+        def logged(*args: Any, _real: Any = real) -> Any:
+            threads.add(threading.current_thread().name)
+            return _real(*args)
+
+        setattr(device, name, logged)
+    ended_ok(engine.submit_batch([job(1, "store", [0, 1, 2], [0, 1, 2])]))
+    ended_ok([engine.submit(job(2, "load", [3, 4], [0, 1]))])
+    if issue == "thread":
+        [name] = threads
+        assert name.startswith("kvferry-cuda-issue")
+        assert device.bound_threads == [name]  # the issue thread made the device current
+        assert engine.statistics().issue_cpu_s > 0
+    else:
+        assert threads == {threading.current_thread().name}
+        assert device.bound_threads == []
+    engine.close()
+
+
+class _Watching(FakeStream):
+    """A compute stream noting, at each wait, the stream its event was recorded on."""
+
+    recorded_at_wait: list[object] = []
+
+    def wait_event(self, event: Any) -> None:
+        self.recorded_at_wait.append(event.recorded_on)
+        super().wait_event(event)
+
+
+def test_a_fence_waits_until_its_job_is_enqueued() -> None:
+    kv = per_layer_split_nhd()
+    _, _, engine, device = setup(kv, fire=False)
+    compute = _Watching(name="compute")
+    compute.recorded_at_wait = []
+    with device.current(compute):
+        mark = engine.capture_compute()
+    held = threading.Event()
+    real = device.copy_rows
+
+    def held_launch(*args: Any) -> None:
+        held.wait()
+        real(*args)
+
+    device.copy_rows = held_launch  # type: ignore[method-assign]
+    try:
+        [completion] = engine.submit_batch([job(1, "store", [0, 1], [0, 1])], mark)
+        assert isinstance(completion, DeviceFenced)
+        fence = threading.Thread(target=completion.order_before_compute, args=(mark,))
+        fence.start()
+        fence.join(timeout=0.2)
+        # still waiting for the issue thread (held in the launch), and nothing fenced
+        # yet: a stream waiting on an event not yet recorded would wait for nothing
+        assert fence.is_alive() and compute.recorded_at_wait == []
+    finally:
+        held.set()
+    fence.join()
+    dma = device.streams[1]  # the store lane's DMA stream: the job ends there
+    assert compute.recorded_at_wait == [dma]  # the job's event, recorded before the wait
+    assert not completion.query()  # the fence did not wait on the device
+    engine.close()
+
+
+def test_close_returns_once_what_was_handed_is_enqueued_and_takes_no_more() -> None:
+    kv = per_layer_split_nhd()
+    before = kv.snapshot()
+    _, _, engine, device = setup(kv, slot_rows=1, ring=2)
+    done = [engine.submit(job(i, "store", [i], [i])) for i in range(6)]
+    engine.close()
+    assert engine.statistics().pieces == 6
+    ended_ok(done)
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.submit(job(9, "load", [0], [0]))
+    assert all(torch.equal(kv.block(n, b), before[n][b]) for n in kv.groups[0] for b in range(NB))
+
+
+def test_a_defect_in_the_issue_thread_fails_its_jobs_after_what_was_enqueued() -> None:
+    kv = per_layer_split_nhd()
+    _, _, engine, device = setup(kv, fire=False)
+    ended_ok_later = engine.submit(job(1, "store", [0], [0]))
+    engine.wait_enqueued()
+
+    def broken(*args: object) -> None:
+        raise AssertionError("a defect")
+
+    engine._enqueue = broken  # type: ignore[method-assign]
+    failed = engine.submit(job(2, "load", [1], [1]))
+    engine.wait_enqueued()
+    assert not failed.query()  # ends after what the store lane holds
+    for event in device.events:
+        event.fire()
+    assert ended_ok_later.query() and ended_ok_later.exception() is None
+    assert failed.query() and "a defect" in repr(failed.exception())
+    engine.close()
+
+
+EXITING = """
+import threading
+from kvferry.testing import FakeCudaDevice
+from kvferry.transfer import CopyJob, CudaCopyEngine, GroupBlocks, HostPool, describe_kv_caches
+from tests.transfer.kvlayouts import NB, per_layer_split_nhd
+
+kv = per_layer_split_nhd()
+layout = describe_kv_caches(kv.tensors, kv.groups, NB)
+pool = HostPool(num_slots=4, blocks_per_chunk=1, row_bytes=layout.row_bytes)
+device = FakeCudaDevice()
+entered, leave = threading.Event(), threading.Event()
+real = device.copy_rows
+
+def launch(*args):
+    entered.set()
+    leave.wait()
+    real(*args)
+    print("enqueued", flush=True)
+
+device.copy_rows = launch
+engine = CudaCopyEngine(layout, pool, ops=device)
+part = GroupBlocks(group=0, device_blocks=[1], host_rows=[2])
+engine.submit_batch([CopyJob(job_id=1, direction="store", parts=(part,))])
+entered.wait()  # the issue thread is inside the launch
+leave.set()  # and the interpreter exits now, the engine still open
+"""
+
+
+def test_an_interpreter_exiting_with_an_engine_open_lets_its_issue_thread_finish() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", EXITING], cwd=root, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["enqueued"]
