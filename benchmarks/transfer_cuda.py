@@ -50,19 +50,20 @@ ticks every 1 ms and records its lag (``ferry_loop_lag_ms_p99`` / ``_max``).
 ``_huge`` / ``_small`` with transparent huge pages forced on / off;
 ``unpinned_pool_s_32g_huge`` the same pool populated but not pinned.
 
-Measured on an H200 (PCIe gen 5 x16; DMA 54-55 GB/s each way, 100 GB/s both ways), one
-run of a session (its machine slower on the CPU side than an earlier session's, where the
-path then reached 0.83 / 0.88 at 4 KiB): staged store / load 0.955 / 0.965 of DMA at
-32 KiB pages (0.976 / 0.988 as consecutive step batches), 0.79 / 0.77 at 4 KiB (0.88 / 0.92
-as step batches, 0.80 / 0.80 chunked); vLLM's way 1.43x / 1.55x and 5.1x / 5.6x of it;
-both ways at once 0.89 / 0.53 of the two-way limit (as step batches 0.81 / 0.73); the
-calling thread 71 µs for a 64-job step batch of 2 GiB and 37 µs for one of 192 MiB
-(enqueuing them inline: 9.5 / 1.7 ms; the issue thread's CPU 104 / 237 µs a piece);
-direct 0.92 / 0.89 and 0.74 / 0.74; matrix products beside the copies 1.02x as long
-(staged), 3.8x (direct), 2.4x (direct, one program per page); ``Ferry``'s loop lag 2.8 ms
-at p99 (3.0 at worst), its stores and loads 0.79 / 0.79 of DMA; a pinned 32 GiB pool
-8.9 s by default (huge pages; timed first), 5.7 s with huge pages forced (timed next; 4.8
-s of it populating), 10.5 s with small pages.
+Measured on an H200 (PCIe gen 5 x16; DMA 54-55 GB/s each way, 100 GB/s both ways), two
+runs of one session (its machine slower on the CPU side than an earlier session's, where
+the path then reached 0.83 / 0.88 at 4 KiB): staged store / load 0.95 / 0.96 of DMA at 32
+KiB pages (0.98 / 0.99 as consecutive step batches), 0.72-0.79 / 0.76-0.77 at 4 KiB (0.87-
+0.88 / 0.92 as step batches, 0.80 / 0.80 chunked); vLLM's way 1.38-1.43x / 1.45-1.55x
+and 5.1-8.5x / 5.6-9.8x of it; both ways at once 0.89-0.93 / 0.53 of the two-way limit
+(as step batches 0.81-0.98 / 0.66-0.73); the calling thread 71-94 µs for a 64-job step
+batch of 2 GiB and 37-64 µs for one of 192 MiB (enqueuing them inline: 8.6-9.5 / 1.7-2.9
+ms; the issue thread's CPU 98-104 / 237-301 µs a piece); direct 0.92 / 0.89 and 0.74-0.75
+/ 0.74-0.75; matrix products beside the copies 1.02x as long (staged), 3.8-4.2x
+(direct), 2.2-2.4x (direct, one program per page); ``Ferry``'s loop lag 2.6-2.8 ms at p99
+(3.0 at worst), its stores and loads 0.60-0.79 / 0.64-0.79 of DMA; a pinned 32 GiB pool
+8.9-9.9 s by default (huge pages; timed first), 5.7-5.9 s with huge pages forced (timed
+next; 4.3-4.8 s of it populating), 10.5-10.9 s with small pages.
 """
 
 from __future__ import annotations
