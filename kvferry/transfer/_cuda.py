@@ -47,7 +47,7 @@ the above: the calling thread (the engine's, under the stepped runtime) only cap
 the compute mark, wraps the jobs and hands them over, and the issue thread checks them,
 plans the batch and enqueues it, batches in the order handed. So the calling thread's
 cost per batch is a few tens of microseconds whatever the batch's size (measured on an
-H200 host: 37-71 µs a 64-job step batch, where enqueuing it took the issue thread 1.6-7
+H200 host: 37-94 µs a 64-job step batch, where enqueuing it took the issue thread 1.6-7
 ms). Until the issue thread has enqueued a job its completion has not ended, and a fence
 (:meth:`IssuedCompletion.order_before_compute`) waits for the issue thread (CPU work,
 never the device) before making the compute stream wait. ``issue="inline"`` enqueues on
