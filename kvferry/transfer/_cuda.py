@@ -72,14 +72,13 @@ batch's host rows only by its copies until its jobs ended.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import ctypes
 import queue
 import threading
 import time
 import weakref
 from collections.abc import Generator, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Literal, Protocol
 
 import attrs
@@ -117,9 +116,10 @@ named here so that the engine's module needs no Triton to import."""
 
 
 IssueMode = Literal["thread", "inline"]
-"""Which thread enqueues a batch's work on the device: ``thread`` (the default: the
-engine's issue thread; the calling thread only checks the jobs and hands them over) or
-``inline`` (the calling thread itself, before ``submit_batch`` returns)."""
+"""Which thread checks, plans and enqueues a batch's work on the device: ``thread`` (the
+default: the engine's issue thread; the calling thread only hands the jobs over, and
+``submit`` checks its one job first, to raise) or ``inline`` (the calling thread itself,
+before ``submit_batch`` returns)."""
 
 
 CopyPath = Literal["staged", "direct"]
@@ -639,7 +639,7 @@ class CudaCopyEngine:
         for the block alone."""
         if self.issue == "thread":
             self.ops.set_stream(stream)
-            return contextlib.nullcontext()
+            return nullcontext()
         return self.ops.use_stream(stream)
 
     def wait_enqueued(self) -> None:
