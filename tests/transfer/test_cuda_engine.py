@@ -9,6 +9,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -513,10 +514,11 @@ def test_the_device_is_driven_from_the_issue_thread_alone(issue: IssueMode) -> N
     engine.close()
 
 
+@attrs.define(eq=False)
 class _Watching(FakeStream):
     """A compute stream noting, at each wait, the stream its event was recorded on."""
 
-    recorded_at_wait: list[object] = []
+    recorded_at_wait: list[object] = attrs.field(factory=list)
 
     def wait_event(self, event: Any) -> None:
         self.recorded_at_wait.append(event.recorded_on)
@@ -527,7 +529,6 @@ def test_a_fence_waits_until_its_job_is_enqueued() -> None:
     kv = per_layer_split_nhd()
     _, _, engine, device = setup(kv, fire=False)
     compute = _Watching(name="compute")
-    compute.recorded_at_wait = []
     with device.current(compute):
         mark = engine.capture_compute()
     held = threading.Event()
