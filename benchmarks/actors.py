@@ -16,7 +16,14 @@ Prints a table, then (last line) one JSON object:
   stepped call above;
 - ``sync_call_us_thread_now``: the same thread-runtime call to that actor (handled in the
   loop thread's callback that receives it, without a turn of the actor's task), against
-  the thread call above.
+  the thread call above;
+- the floors under any thread runtime, measured the same way: ``thread_wake_floor_us``,
+  one round trip between two bare threads (the caller releases a lock the other waits
+  on, and waits on a lock the other releases: two thread wake-ups, nothing else), and
+  ``loop_roundtrip_us``, one round trip to a bare asyncio loop thread
+  (``loop.call_soon_threadsafe`` of a lock's release: the wake-up every call to an
+  asyncio loop on another thread takes). ``sync_call_thread_vs_loop_roundtrip`` is the
+  thread call against the second.
 
 Every figure is measured in this run, each against its baseline in the same process;
 trials alternate between the two sides so that a noisy neighbour hits both alike.
@@ -29,6 +36,7 @@ import gc
 import json
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -252,6 +260,55 @@ def portal_call_us(n: int) -> float:
             cm.__exit__(None, None, None)
 
 
+def thread_wake_floor_us(n: int) -> float:
+    """Floor: two bare threads, one wake-up each way (a lock released, a lock waited on)."""
+    go, back = threading.Lock(), threading.Lock()
+    go.acquire()
+    back.acquire()
+    stop = False
+
+    def answer() -> None:
+        while True:
+            go.acquire()
+            if stop:
+                return
+            back.release()
+
+    def call() -> None:
+        go.release()
+        back.acquire()
+
+    other = threading.Thread(target=answer, name="floor-answer")
+    other.start()
+    try:
+        return _median_call_us(call, n)
+    finally:
+        stop = True
+        go.release()
+        other.join()
+
+
+def loop_roundtrip_us(n: int) -> float:
+    """Floor: a bare asyncio loop on another thread, woken by ``call_soon_threadsafe``."""
+    loop = asyncio.new_event_loop()
+    runner = threading.Thread(target=loop.run_forever, name="floor-loop")
+    runner.start()
+    back = threading.Lock()
+    back.acquire()
+    schedule, release = loop.call_soon_threadsafe, back.release
+
+    def call() -> None:
+        schedule(release)
+        back.acquire()
+
+    try:
+        return _median_call_us(call, n)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        runner.join()
+        loop.close()
+
+
 def spread(values: list[float]) -> tuple[float, float, float]:
     return min(values), statistics.median(values), max(values)
 
@@ -267,7 +324,10 @@ def main() -> None:
     raw_us, ask_us = statistics.median(raw_rt), statistics.median(ask_rt)
 
     stepped, now, rtc, thread, thread_now, portal = [], [], [], [], [], []
+    wake, loop_rt = [], []
     for _ in range(TRIALS):
+        wake.append(thread_wake_floor_us(N_CALL))
+        loop_rt.append(loop_roundtrip_us(N_CALL))
         stepped.append(stepped_call_us(N_CALL))
         now.append(now_call_us(SteppedRuntime(), N_CALL))
         rtc.append(run_until_complete_call_us(N_CALL))
@@ -278,6 +338,7 @@ def main() -> None:
     now_us = statistics.median(now)
     thread_us, portal_us = statistics.median(thread), statistics.median(portal)
     thread_now_us = statistics.median(thread_now)
+    wake_us, loop_us = statistics.median(wake), statistics.median(loop_rt)
 
     rows = [
         (
@@ -322,6 +383,20 @@ def main() -> None:
             f"{thread_now_us / thread_us:.2f}",
             "",
         ),
+        (
+            "sync call, thread (floor)",
+            f"{thread_us:.1f} µs",
+            f"{loop_us:.1f} µs (bare loop round trip)",
+            f"{thread_us / loop_us:.2f}",
+            "",
+        ),
+        (
+            "bare loop round trip",
+            f"{loop_us:.1f} µs",
+            f"{wake_us:.1f} µs (two bare threads)",
+            f"{loop_us / wake_us:.2f}",
+            "",
+        ),
     ]
     head = ("figure", "kvferry", "baseline", "ratio", "target")
     widths = [max(len(r[i]) for r in [*rows, head]) for i in range(len(head))]
@@ -337,6 +412,8 @@ def main() -> None:
         ("thread", thread),
         ("thread, handled now", thread_now),
         ("BlockingPortal", portal),
+        ("bare loop round trip", loop_rt),
+        ("two bare threads", wake),
     ):
         print(f"  {name:<20} {' / '.join(f'{v:.1f}' for v in spread(values))}")
     print(
@@ -351,6 +428,11 @@ def main() -> None:
                 "sync_call_us_stepped_spread": [round(v, 2) for v in spread(stepped)],
                 "sync_call_us_thread_spread": [round(v, 2) for v in spread(thread)],
                 "sync_call_us_thread_now_spread": [round(v, 2) for v in spread(thread_now)],
+                "thread_wake_floor_us": round(wake_us, 2),
+                "thread_wake_floor_us_spread": [round(v, 2) for v in spread(wake)],
+                "loop_roundtrip_us": round(loop_us, 2),
+                "loop_roundtrip_us_spread": [round(v, 2) for v in spread(loop_rt)],
+                "sync_call_thread_vs_loop_roundtrip": round(thread_us / loop_us, 3),
             }
         )
     )
