@@ -52,7 +52,11 @@ Later, with the ghost lists' tag table taking rows with ``np.take`` and ordering
 by one sort (a push of 64 tags 52 -> 25 µs at 100k slots), ``--runs 3`` (seeds
 500-502), on a quieter machine: ``evict_us_per_key_1m`` median 1.90 (1.82-2.71),
 ``_4m`` 3.21 (2.91-3.26; ARC inline, its index removals and recency pops), and
-``scaling_4m_vs_10k`` 1.48 (1.22-2.10).
+``scaling_4m_vs_10k`` 1.48 (1.22-2.10). On a quiet machine (load under 1, nothing else
+running), ``--runs 3 --skip-memory`` (seeds 600-602): ``evict_us_per_key_1m`` 1.31
+(1.30-1.31), ``_4m`` 1.28 (1.21-1.45), ``scaling_4m_vs_10k`` 1.49 (1.38-1.67; LRU at
+(1, 1) the worst in each run), ``ns_per_op_vs_vllm_arc`` 0.50 (0.49-0.51), ``_lru`` 0.18
+(0.17-0.20).
 ``--quick`` runs small traces and capacities (what the tests run).
 """
 
