@@ -52,7 +52,9 @@ ms). Until the issue thread has enqueued a job its completion has not ended, and
 (:meth:`IssuedCompletion.order_before_compute`) waits for the issue thread (CPU work,
 never the device) before making the compute stream wait. ``issue="inline"`` enqueues on
 the calling thread, before ``submit_batch`` returns. An interpreter exiting with an
-engine open lets its issue thread finish what it holds.
+engine open lets its issue thread finish what it holds. The thread holds its engine only
+through the batches it has yet to enqueue: an engine dropped without ``close()`` is
+collected once they are, and its thread ends after its lanes' streams' work.
 
 Every job ends with an event created ``blocking=True`` (a waiter thread sleeps in
 ``synchronize`` instead of spinning). A job is never reported ended while its copies
@@ -470,8 +472,9 @@ class CudaCopyEngine:
         )
         self._issue_cpu_s = 0.0
         self._issuer: threading.Thread | None = None
-        self._handed: queue.SimpleQueue[_Handed | None] = queue.SimpleQueue()
+        self._handed: queue.SimpleQueue[_Item] = queue.SimpleQueue()
         self._last_handed: _Handed | None = None
+        self._retire: weakref.finalize[Any, Any] | None = None
         self._closed = False
 
     def job_bytes(self, job: CopyJob) -> int:
@@ -581,41 +584,41 @@ class CudaCopyEngine:
         """Queue a batch for the issue thread (started with the first): batches are
         enqueued in the order handed."""
         if self._issuer is None:
+            # The thread holds the engine only through the batches it has yet to
+            # enqueue: an engine collected without close() hands it its lanes, and it
+            # ends once their streams' work has (their staging memory goes only then).
             self._issuer = threading.Thread(
-                target=self._issue_loop, name="kvferry-cuda-issue", daemon=True
+                target=_issue_loop,
+                args=(self.ops, self._handed),
+                name="kvferry-cuda-issue",
+                daemon=True,
             )
             self._issuer.start()
             _open_engines.add(self)
-        self._handed.put(handed)
+            _issue_threads.add(self._issuer)
+            self._retire = weakref.finalize(self, self._handed.put, _Retire(self._lanes))
+            self._retire.atexit = False
+        # with the engine: one dropped right after a submit still enqueues the batch
+        self._handed.put((self, handed))
         self._last_handed = handed
 
-    def _issue_loop(self) -> None:
-        """The issue thread: each handed batch checked and enqueued in turn (device-side
-        waits only: this thread never waits on the device either), then its completions'
-        wait ended; until :meth:`close` hands it None."""
+    def _issue(self, handed: _Handed, bound: BaseException | None) -> None:
+        """On the issue thread: one handed batch checked and enqueued (device-side waits
+        only: this thread never waits on the device either), then its completions'
+        wait ended."""
+        t0 = time.thread_time()
         try:
-            self.ops.bind_thread()
-        except Exception as exc:  # every batch then fails, none waits forever
-            get_logger("kvferry.transfer").error("issue_thread_failed", exc_info=exc)
-            bound: BaseException | None = exc
-        else:
-            bound = None
-        while (handed := self._handed.get()) is not None:
-            t0 = time.thread_time()
-            try:
-                if bound is not None:
-                    raise bound
-                done = self._check_and_enqueue(handed.jobs, handed.mark, handed.checked)
-            except BaseException as exc:  # a defect: no job may be left waiting
-                get_logger("kvferry.transfer").error(
-                    "batch_issue_failed", jobs=len(handed.jobs), exc_info=exc
-                )
-                done = dict.fromkeys(
-                    range(len(handed.jobs)), self._after_everything(exc, handed.mark)
-                )
-            self._issue_cpu_s += time.thread_time() - t0
-            handed.done = done
-            handed.issued.set()
+            if bound is not None:
+                raise bound
+            done = self._check_and_enqueue(handed.jobs, handed.mark, handed.checked)
+        except BaseException as exc:  # a defect: no job may be left waiting
+            get_logger("kvferry.transfer").error(
+                "batch_issue_failed", jobs=len(handed.jobs), exc_info=exc
+            )
+            done = dict.fromkeys(range(len(handed.jobs)), self._after_everything(exc, handed.mark))
+        self._issue_cpu_s += time.thread_time() - t0
+        handed.done = done
+        handed.issued.set()
 
     def _after_everything(self, error: BaseException, mark: ComputeMark) -> Completion:
         """A failed completion that ends only after everything enqueued so far on every
@@ -888,9 +891,9 @@ class CudaCopyEngine:
         copy enqueued has ended."""
         self._closed = True
         self._stop_issuer()
-        for lane in self._lanes.values():
-            lane.kernel.synchronize()
-            lane.dma.synchronize()
+        if self._retire is not None:
+            self._retire.detach()
+        _synchronize(self._lanes)
 
 
 class _BatchCopy:
@@ -1027,13 +1030,59 @@ def _host_pointer_usable(device: torch.device) -> bool:
     return int(err) == 0 and bool(value)
 
 
+@attrs.frozen
+class _Retire:
+    """An issue thread's last item when its engine was collected without close(): the
+    engine's lanes, kept until their streams' work has ended."""
+
+    lanes: dict[Direction, _Lane]
+
+
+_Item = tuple[CudaCopyEngine, _Handed] | _Retire | None
+"""What an issue thread is handed: a batch with its engine, its engine's lanes (the
+engine was collected), or None (closed)."""
+
+
+def _synchronize(lanes: dict[Direction, _Lane]) -> None:
+    for lane in lanes.values():
+        lane.kernel.synchronize()
+        lane.dma.synchronize()
+
+
+def _issue_loop(ops: DeviceOps, handed: queue.SimpleQueue[_Item]) -> None:
+    """An engine's issue thread: each batch handed over enqueued in turn, until close()
+    hands it None, or the engine, collected, its lanes. It holds the engine only through
+    a batch not yet enqueued, so that an engine nobody holds is collected."""
+    try:
+        ops.bind_thread()
+    except Exception as exc:  # every batch then fails, none waits forever
+        get_logger("kvferry.transfer").error("issue_thread_failed", exc_info=exc)
+        bound: BaseException | None = exc
+    else:
+        bound = None
+    while (item := handed.get()) is not None:
+        if isinstance(item, _Retire):
+            _synchronize(item.lanes)
+            return
+        engine, batch = item
+        del item
+        engine._issue(batch, bound)
+        del engine, batch
+
+
 _open_engines: weakref.WeakSet[CudaCopyEngine] = weakref.WeakSet()
 """Engines whose issue thread runs: an interpreter that exits with one open lets it
 enqueue what it holds and end (atexit runs before daemon threads are stopped, which
 would otherwise stop it inside a device call)."""
+
+_issue_threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+"""Every issue thread started: those of engines collected before exit end on their own
+(their lanes' work first), and exit waits for them too."""
 
 
 @atexit.register
 def _stop_issue_threads() -> None:
     for engine in list(_open_engines):
         engine._stop_issuer()
+    for thread in list(_issue_threads):
+        thread.join()

@@ -5,7 +5,9 @@ asked of the device."""
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -514,6 +516,20 @@ def test_the_device_is_driven_from_the_issue_thread_alone(issue: IssueMode) -> N
     engine.close()
 
 
+def hold_launches(device: FakeCudaDevice) -> threading.Event:
+    """Every launch on ``device`` waits (in the thread that enqueues) until the returned
+    event is set."""
+    held = threading.Event()
+    real = device.copy_rows
+
+    def held_launch(*args: Any) -> None:
+        held.wait()
+        real(*args)
+
+    device.copy_rows = held_launch  # type: ignore[method-assign]
+    return held
+
+
 @attrs.define(eq=False)
 class _Watching(FakeStream):
     """A compute stream noting, at each wait, the stream its event was recorded on."""
@@ -531,14 +547,7 @@ def test_a_fence_waits_until_its_job_is_enqueued() -> None:
     compute = _Watching(name="compute")
     with device.current(compute):
         mark = engine.capture_compute()
-    held = threading.Event()
-    real = device.copy_rows
-
-    def held_launch(*args: Any) -> None:
-        held.wait()
-        real(*args)
-
-    device.copy_rows = held_launch  # type: ignore[method-assign]
+    held = hold_launches(device)
     try:
         [completion] = engine.submit_batch([job(1, "store", [0, 1], [0, 1])], mark)
         assert isinstance(completion, DeviceFenced)
@@ -568,6 +577,49 @@ def test_close_returns_once_what_was_handed_is_enqueued_and_takes_no_more() -> N
     with pytest.raises(RuntimeError, match="closed"):
         engine.submit(job(9, "load", [0], [0]))
     assert all(torch.equal(kv.block(n, b), before[n][b]) for n in kv.groups[0] for b in range(NB))
+
+
+@attrs.define(eq=False)
+class _Synced(FakeStream):
+    """A stream counting the waits for all its work (``synchronize``)."""
+
+    synchronized: int = 0
+
+    def synchronize(self) -> None:
+        self.synchronized += 1
+
+
+class _SyncedDevice(FakeCudaDevice):
+    def new_stream(self, direction: str) -> FakeStream:
+        stream = _Synced(name=f"{direction}#{len(self.streams)}")
+        self.streams.append(stream)
+        return stream
+
+
+def test_an_engine_dropped_without_close_enqueues_what_it_was_handed_then_goes() -> None:
+    """The issue thread holds its engine only through the batches it has yet to enqueue:
+    an engine dropped right after a submit still copies, and is then collected; its
+    issue thread ends, after its lanes' streams' work (the staging memory goes then)."""
+    kv = per_layer_split_nhd()
+    layout = describe_kv_caches(kv.tensors, kv.groups, NB, kv.block_stride_bytes)
+    pool = HostPool(num_slots=40, blocks_per_chunk=1, row_bytes=layout.row_bytes)
+    device = _SyncedDevice()
+    engine = CudaCopyEngine(layout, pool, staging_bytes=128 * pool.row_bytes, ops=device)
+    held = hold_launches(device)
+    first = engine.submit(job(1, "store", [0], [0]))  # the issue thread waits in its launch
+    second = engine.submit(job(2, "store", [1], [1]))  # queued behind it
+    collected = weakref.ref(engine)
+    thread = engine._issuer
+    assert thread is not None
+    del engine
+    gc.collect()
+    assert collected() is not None  # its batches are not enqueued yet
+    held.set()
+    ended_ok([first, second])
+    gc.collect()
+    thread.join(timeout=30)
+    assert collected() is None and not thread.is_alive()
+    assert device.streams and all(s.synchronized for s in device.streams)  # type: ignore[attr-defined]
 
 
 def test_a_defect_in_the_issue_thread_fails_its_jobs_after_what_was_enqueued() -> None:
