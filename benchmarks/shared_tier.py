@@ -3,7 +3,8 @@ pipelined SET / GET of values of the same size, with the same client, on the sam
 
 What kvferry adds on top of the raw commands: the compact chunk header, an xxh3 checksum
 of every payload on write and on read, the header's verification, and the copy of each
-payload into its host slot (a raw GET leaves the value in a bytes object). The figures
+payload into its host slot (a raw GET leaves the value in a bytes object). A write sends
+each value as its header and a view of the payload in its slot (no copy). The figures
 (``*_vs_raw`` = kvferry GB/s / raw GB/s, the lower of the chunk sizes; target >= 0.8):
 
 - ``redis_write_vs_raw``, ``redis_read_vs_raw``: one ``redis-server`` on loopback;
@@ -11,8 +12,10 @@ payload into its host slot (a raw GET leaves the value in a bytes object). The f
 
 Both start their own ``redis-server`` processes (Debian's package; ``make bench``
 installs it when missing), nothing persisted. Each trial moves ``TRIAL_BYTES`` per
-direction in pipelines of ``BATCH_BYTES`` (the Redis actor's batch), raw and kvferry
-alternating so that both see the same machine; a figure is the median of the trials.
+direction in pipelines of ``BATCH_BYTES`` (the Redis actor's batch), all its writes then
+all its reads. Raw and kvferry take turns pipeline by pipeline, each going first every
+other time, so that both see the same moments of a shared machine; a trial sums its
+pipelines' times, and a figure is the median of the trials.
 
 Part 2, two engines sharing one Redis: three vLLM (CPU) engines, each in a process of
 its own (this script, ``--engine``, driven over a pipe), all alive at once and computing
@@ -52,6 +55,7 @@ The last line printed is one JSON object of every figure.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import queue
@@ -116,42 +120,45 @@ async def _measure(store: RedisStore, size: int, trials: int, trial_bytes: int) 
     batches = [range(b, min(b + per_batch, count)) for b in range(0, count, per_batch)]
     ttl = store.ttl_s
 
-    async def raw_write() -> None:
-        for batch in batches:
-            pipe = client.pipeline(transaction=False)
-            for i in batch:
-                pipe.set(raw_keys[i], raw_values[i], ex=ttl)
-            await pipe.execute()
+    async def raw_write(batch: range) -> None:
+        pipe = client.pipeline(transaction=False)
+        for i in batch:
+            pipe.set(raw_keys[i], raw_values[i], ex=ttl)
+        await pipe.execute()
 
-    async def raw_read() -> None:
-        for batch in batches:
-            pipe = client.pipeline(transaction=False)
-            for i in batch:
-                pipe.get(raw_keys[i])
-            got = await pipe.execute()
-            assert all(len(v) == size for v in got)
+    async def raw_read(batch: range) -> None:
+        pipe = client.pipeline(transaction=False)
+        for i in batch:
+            pipe.get(raw_keys[i])
+        got = await pipe.execute()
+        assert all(len(v) == size for v in got)
 
-    async def kv_write() -> None:
-        for batch in batches:
-            outcomes = await store.write([keys[i] for i in batch], [slots[i] for i in batch])
-            assert (outcomes == Outcome.OK).all(), outcomes
+    async def kv_write(batch: range) -> None:
+        outcomes = await store.write([keys[i] for i in batch], [slots[i] for i in batch])
+        assert (outcomes == Outcome.OK).all(), outcomes
 
-    async def kv_read() -> None:
-        for batch in batches:
-            outcomes = await store.read([keys[i] for i in batch], [into[i] for i in batch])
-            assert (outcomes == Outcome.OK).all(), outcomes
+    async def kv_read(batch: range) -> None:
+        outcomes = await store.read([keys[i] for i in batch], [into[i] for i in batch])
+        assert (outcomes == Outcome.OK).all(), outcomes
 
-    seconds: dict[str, list[float]] = {
-        "raw_write": [],
-        "kv_write": [],
-        "raw_read": [],
-        "kv_read": [],
+    ways: dict[str, Callable[[range], Awaitable[None]]] = {
+        "raw_write": raw_write,
+        "kv_write": kv_write,
+        "raw_read": raw_read,
+        "kv_read": kv_read,
     }
-    for _ in range(trials):
-        seconds["raw_write"].append(await _timed(raw_write))
-        seconds["kv_write"].append(await _timed(kv_write))
-        seconds["raw_read"].append(await _timed(raw_read))
-        seconds["kv_read"].append(await _timed(kv_read))
+    seconds: dict[str, list[float]] = {name: [0.0] * trials for name in ways}
+    for t in range(trials):
+        # All the trial's writes, then its reads (a value is read a trial's worth of
+        # traffic after its write, not while it is still warm in the server's caches).
+        # Raw and kvferry take turns pipeline by pipeline, each going first every other
+        # time, so that both see the same moments of a shared machine.
+        for direction in ("write", "read"):
+            for n, batch in enumerate(batches):
+                order = ("raw", "kv") if (t + n) % 2 == 0 else ("kv", "raw")
+                for way in order:
+                    name = f"{way}_{direction}"
+                    seconds[name][t] += await _timed(functools.partial(ways[name], batch))
     assert np.array_equal(into, slots)
     await store.delete(keys)
     pipe = client.pipeline(transaction=False)

@@ -79,6 +79,61 @@ async def test_deleted_chunks_are_gone(store: RedisStore) -> None:
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("joins", [True, False], ids=["joined", "copied"])
+async def test_a_value_written_is_its_header_then_its_payload_sent_whole_or_copied(
+    redis_url: str, joins: bool
+) -> None:
+    # Joined (the default): the header and a view of the payload go out as two pieces
+    # of one value; copied (a redis whose connections would not take the packing): one
+    # buffer. Either way the server holds exactly encode_value's bytes.
+    store = await open_store(redis_url)
+    raw = await raw_client(redis_url)
+    try:
+        assert store.joins_values
+        store.joins_values = joins
+        sizes = [1, 6000, 256 << 10]
+        keys = [key(i) for i in range(len(sizes))]
+        data = [payload(i, n) for i, n in enumerate(sizes)]
+        assert list(await store.write(keys, data)) == [Outcome.OK] * len(sizes)
+        for k, d in zip(keys, data, strict=True):
+            assert await raw.get(store.redis_key(k)) == store.encode_value(k, d)
+            assert 86000 < await raw.ttl(store.redis_key(k)) <= 24 * 3600
+    finally:
+        await store.aclose()
+        await raw.aclose()
+
+
+def test_a_joined_value_packs_to_the_bytes_of_the_whole_value() -> None:
+    from redis.asyncio.connection import Connection, SSLConnection
+
+    from kvferry.tiers._redis import _Joined, _joining_connection, _make_joining
+
+    joining = _joining_connection(Connection)
+    assert _joining_connection(Connection) is joining  # one class per base
+    conn, plain = joining(), Connection()
+    body = payload(1, 100_000)
+    joined = b"".join(conn.pack_command("SET", b"k", _Joined(b"head", body.data), "EX", 60))
+    whole = b"".join(plain.pack_command("SET", b"k", b"head" + body.tobytes(), "EX", 60))
+    assert joined == whole
+    # A command without one packs as the client's own, and a pipeline of both as well.
+    assert conn.pack_command("GET", b"k") == plain.pack_command("GET", b"k")
+    cmds = [("SET", b"a", _Joined(b"h", memoryview(b"xy")), "EX", 1), ("GET", b"a")]
+    assert b"".join(conn.pack_commands(cmds)) == b"".join(
+        plain.pack_commands([("SET", b"a", b"hxy", "EX", 1), ("GET", b"a")])
+    )
+    assert issubclass(_joining_connection(SSLConnection), SSLConnection)
+    assert not _make_joining(object())  # a client it does not know: values copied whole
+
+
+def test_a_tls_url_keeps_its_tls_connections_and_joins_values() -> None:
+    from redis.asyncio.connection import SSLConnection
+
+    store = RedisStore(url="rediss://user:pw@localhost:6390/0", fingerprint=FP)
+    assert store.joins_values
+    assert issubclass(store.client.connection_pool.connection_class, SSLConnection)
+
+
+@pytest.mark.anyio
 async def test_keys_are_namespaced_by_format_version_and_fingerprint(store: RedisStore) -> None:
     assert store.redis_key(b"\x01\xab") == f"kvferry:v1:{FP.digest.hex()}:01ab".encode()
 

@@ -56,6 +56,12 @@ async def test_chunks_round_trip_across_every_node(cluster: RedisClusterProcs) -
         assert set((await store.read(keys, into)).tolist()) == {Outcome.OK}
         for i, got in enumerate(into):
             assert np.array_equal(got, payload(i, N))
+        # The values went out joined (header, then a view of the payload), through the
+        # connections of every node the client found, not only of those it was given.
+        assert store.joins_values
+        found = store.client.get_nodes()
+        assert len(found) == 3
+        assert {type(c).__name__ for n in found for c in n._connections} == {"JoiningConnection"}
         assert (await store.exists(keys)).all()
         assert await store.delete(keys) == 24
     finally:
