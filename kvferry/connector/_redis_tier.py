@@ -20,7 +20,10 @@ or fails verification by then fails the load, and vLLM recomputes those blocks.
 
 Redis has no pins: :meth:`lease` returns no places and :meth:`unpin` does nothing. A
 store is written through: :meth:`prepare_writes` takes the keys not known present and
-not being written already.
+not being written already. A chunk whose write failed (Redis down, full, too slow) is
+remembered, and written again from host memory when a load takes it from there
+:data:`RETRY_S` or more after the failure (:meth:`prepare_rewrites`): once Redis is
+back, the prefixes in use reach it without being stored again.
 """
 
 from __future__ import annotations
@@ -52,6 +55,13 @@ absent answer, or Redis evict it after a present one (its read then fails: recom
 MAX_ANSWERS = 1 << 18
 """Answers remembered at most (the oldest are forgotten first)."""
 
+RETRY_S = 5.0
+"""How long after a chunk's write failed (Redis down, full, slow) it is offered to Redis
+again, at its next load from host memory."""
+
+MAX_UNWRITTEN = 1 << 16
+"""Chunks whose write failed remembered at most (the oldest are forgotten first)."""
+
 
 @attrs.frozen
 class _Check:
@@ -74,6 +84,10 @@ class RedisTierStatistics:
     writes_in_flight: int
     answers: int
     """Answers remembered now."""
+    unwritten: int
+    """Chunks whose write failed, to be offered to Redis again (:data:`RETRY_S`)."""
+    chunks_offered_again: int
+    """Chunks written again from host memory after their write had failed."""
 
 
 class _Checker(Actor[_Check]):
@@ -135,6 +149,8 @@ class RedisTier:
         self._to_ask: dict[bytes, None] = {}
         """Keys to send with this step's check (ordered, unique)."""
         self._writing: set[bytes] = set()
+        self._unwritten: OrderedDict[bytes, float] = OrderedDict()
+        """Chunks whose write failed → when they may be offered again."""
         self._events: list[KVEvent] = []
         self._forward_events = events
         self._c = dict.fromkeys(
@@ -144,6 +160,7 @@ class RedisTier:
                 "checks_unanswered",
                 "lookups_waited",
                 "lookups_unanswered",
+                "chunks_offered_again",
             ),
             0,
         )
@@ -246,17 +263,49 @@ class RedisTier:
                 places[i] = i
         return places
 
+    def prepare_rewrites(self, keys: Sequence[bytes]) -> I64:
+        """Places for the keys (just loaded from host memory) to write again, their last
+        write having failed at least :data:`RETRY_S` ago; -1 for the others (never
+        failed, too recent, known present by now, being written)."""
+        places = np.full(len(keys), -1, np.int64)
+        unwritten = self._unwritten
+        if not unwritten:
+            return places
+        now = self._clock()
+        present: Bools | None = None
+        for i, k in enumerate(keys):
+            after = unwritten.get(k)
+            if after is None or after > now or k in self._writing:
+                continue
+            if present is None:
+                present = self.known(keys)[0]
+            del unwritten[k]
+            if present[i]:  # another engine wrote it since
+                continue
+            self._writing.add(k)
+            places[i] = i
+            self._c["chunks_offered_again"] += 1
+        return places
+
     def writes_ended(self, slots: I64, keys: Sequence[bytes], failed: I64) -> int:
         """A write ended on every worker; ``failed[i]``: on how many chunk i failed (a
-        dropped store, a full Redis, an error). Returns the chunks now in Redis."""
+        dropped store, a full Redis, an error: offered again from :data:`RETRY_S` on, at
+        a load from host memory). Returns the chunks now in Redis."""
         now = self._clock()
         written = []
+        unwritten = self._unwritten
         for k, f in zip(keys, failed.tolist(), strict=True):
             self._writing.discard(k)
             if f == 0:
                 self._answers[k] = (True, now + ANSWER_TTL_S)
                 self._answers.move_to_end(k)
                 written.append(k)
+                unwritten.pop(k, None)
+            else:
+                unwritten[k] = now + RETRY_S
+                unwritten.move_to_end(k)
+        while len(unwritten) > MAX_UNWRITTEN:
+            unwritten.popitem(last=False)
         if written and self._forward_events:
             self._events.append(BlocksStored(keys=tuple(written), medium=MEDIUM))
         return len(written)
@@ -269,9 +318,11 @@ class RedisTier:
                 self._answers[k] = (False, now + ANSWER_TTL_S)
 
     def reset(self) -> int:
-        """Forget the answers. The chunks stay in Redis: other engines share them."""
+        """Forget the answers (and the chunks whose write failed: host memory is
+        emptied). The chunks stay in Redis: other engines share them."""
         n = len(self._answers)
         self._answers.clear()
+        self._unwritten.clear()
         return n
 
     def take_deletes(self) -> list[bytes]:
@@ -282,13 +333,21 @@ class RedisTier:
         return out
 
     @property
+    def has_unwritten(self) -> bool:
+        """Whether any chunk's write failed and is still to be offered again."""
+        return bool(self._unwritten)
+
+    @property
     def writes_in_flight(self) -> int:
         return len(self._writing)
 
     def statistics(self) -> RedisTierStatistics:
         self._drain()
         return RedisTierStatistics(
-            writes_in_flight=len(self._writing), answers=len(self._answers), **self._c
+            writes_in_flight=len(self._writing),
+            answers=len(self._answers),
+            unwritten=len(self._unwritten),
+            **self._c,
         )
 
     def close(self) -> None:

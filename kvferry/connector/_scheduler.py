@@ -1214,6 +1214,32 @@ class SchedulerSide:
         self._write_down(written, slots[chosen], places[chosen], event_keys, demotion=False)
         return set(event_keys)
 
+    def _write_again(self, job: JobState) -> npt.NDArray[np.bool_]:
+        """A load from host memory ended well: its chunks whose Redis write had failed a
+        while ago (:meth:`RedisTier.prepare_rewrites`) are written to Redis now, their
+        host slots keeping the load's pins until the write ends. Which of ``job.slots``
+        (the load's host chunks) went to such a write."""
+        redis = self.redis
+        taken = np.zeros(len(job.slots), np.bool_)
+        if redis is None or not redis.has_unwritten:
+            return taken
+        below = set(job.disk_keys) | set(job.redis_keys)
+        host_keys = [k for k in job.keys if k not in below] if below else list(job.keys)
+        if len(host_keys) != len(job.slots):  # not a load's own layout: nothing to take
+            return taken
+        usable = job.slots >= 0
+        idx = np.flatnonzero(usable)
+        places = redis.prepare_rewrites([host_keys[i] for i in idx.tolist()])
+        chosen = idx[places >= 0]
+        if not len(chosen):
+            return taken
+        taken[chosen] = True
+        keys = [host_keys[i] for i in chosen.tolist()]
+        self._write_down(
+            keys, job.slots[chosen], places[places >= 0], (), demotion=False, tier="redis"
+        )
+        return taken
+
     @staticmethod
     def _store_again(st: ReqState | None, job: JobState) -> None:
         """A load failed: vLLM recomputes its blocks, and they are offered to the store
@@ -1400,7 +1426,10 @@ class SchedulerSide:
                 if st is not None:
                     st.store_jobs.discard(job_id)
             else:
-                valid = job.slots[job.slots >= 0]
+                held = job.slots >= 0
+                if not job.failed and self.redis is not None:
+                    held &= ~self._write_again(job)
+                valid = job.slots[held]
                 if len(valid):
                     self.directory_tell(CompleteLoad(slots=valid))
                 self._end_disk_reads(job)

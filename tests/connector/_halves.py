@@ -21,10 +21,16 @@ SLOT_BYTES = 2 * 2 * BLOCK * 2 * 64 * 2  # 2 layers x (K, V) x 128 tokens x 2 he
 
 
 class Halves:
-    """``extra``: kvferry's config; ``seed``: the engine blocks' random KV."""
+    """``extra``: kvferry's config; ``seed``: the engine blocks' random KV; ``clock``: the
+    scheduler half's."""
 
     def __init__(
-        self, make_vllm_config: Any, kv_cache_config: Any, extra: dict[str, Any], seed: int = 0
+        self,
+        make_vllm_config: Any,
+        kv_cache_config: Any,
+        extra: dict[str, Any],
+        seed: int = 0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         from kvferry.connector._scheduler import SchedulerSide
         from kvferry.connector._worker import WorkerSide
@@ -34,7 +40,7 @@ class Halves:
         g = torch.Generator().manual_seed(seed)
         self.kv = {n: torch.randn(2, 16, BLOCK, 2, 64, generator=g).bfloat16() for n in LAYERS}
         self.worker.register_kv_caches(self.kv)
-        self.sched = SchedulerSide(make_vllm_config(extra), kv_cache_config, cfg)
+        self.sched = SchedulerSide(make_vllm_config(extra), kv_cache_config, cfg, clock=clock)
         self.recving: set[str] = set()
         self.load_errors: set[int] = set()
 

@@ -35,11 +35,12 @@ class Engine(Halves):
         kv_cache_config: Any,
         seed: int,
         extra: dict[str, Any] | None = None,
+        clock: Callable[[], float] = time.monotonic,
         **redis: Any,
     ) -> None:
         if extra is None:
             extra = {"cpu_bytes_to_use": 8 * SLOT_BYTES, "tiers": [{"kind": "redis", **redis}]}
-        super().__init__(make_vllm_config, kv_cache_config, extra, seed)
+        super().__init__(make_vllm_config, kv_cache_config, extra, seed, clock)
 
     def lookup(self, req: Any) -> tuple[int | None, bool]:
         """get_num_new_matched_tokens, stepping while it says "ask again"."""
@@ -62,10 +63,15 @@ def make_engine(
     server.cli("flushall")
     made: list[Engine] = []
 
-    def make(seed: int = 0, url: str | None = None, **redis: Any) -> Engine:
+    def make(
+        seed: int = 0,
+        url: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        **redis: Any,
+    ) -> Engine:
         if "cluster" not in redis:
             redis["url"] = url or server.url
-        made.append(Engine(make_vllm_config, kv_cache_config, seed, **redis))
+        made.append(Engine(make_vllm_config, kv_cache_config, seed, clock=clock, **redis))
         return made[-1]
 
     yield make
@@ -270,6 +276,64 @@ def test_service_comes_back_by_itself_when_redis_does(
         share(a, b, seed=12)
     finally:
         own.kill()
+
+
+def test_chunks_whose_write_failed_are_written_again_at_a_host_hit_once_redis_is_back(
+    make_engine: Callable[..., Engine], tmp_path: Path
+) -> None:
+    from kvferry.connector._redis_tier import RETRY_S
+
+    own = RedisServer(tmp_path / "own")
+    own.start()
+    now = [1000.0]
+    try:
+        opts = {"url": own.url, "op_timeout_s": 0.5, "breaker_threshold": 1}
+        a = make_engine(seed=1, clock=lambda: now[0], breaker_cooldown_s=0, **opts)
+        b = make_engine(seed=2, **opts)
+        own.kill()
+        # Stored while Redis is down: in a's host memory only.
+        keys = store_failing(a, request("down", 2 * BLOCK + 8, seed=11), [1, 2, 3])
+        tier = a.sched.redis
+        assert tier is not None and tier.statistics().unwritten == 2
+        # Offered again at a host hit RETRY_S later, Redis still down: failed again.
+        now[0] += RETRY_S
+        failed = a.sched.statistics().redis_writes_failed
+        load(a, request("still", 2 * BLOCK + 8, seed=11), [4, 5, 6], 2 * BLOCK)
+        a.run_until(lambda: a.sched.statistics().redis_writes_failed == failed + 2)
+        stats = tier.statistics()
+        assert stats.chunks_offered_again == 2 and stats.unwritten == 2
+        assert a.sched.statistics().directory.pinned == 0
+        own.start()  # the same port, empty
+        # A host hit before RETRY_S since that failure: not offered again yet.
+        load(a, request("soon", 2 * BLOCK + 8, seed=11), [4, 5, 6], 2 * BLOCK)
+        assert tier.statistics().chunks_offered_again == 2
+        assert a.sched.statistics().directory.pinned == 0
+        now[0] += RETRY_S
+        written = a.sched.statistics().redis_chunks_written
+        load(a, request("later", 2 * BLOCK + 8, seed=11), [7, 8, 9], 2 * BLOCK)
+        # The load ended; its host slots keep their pins for the write to Redis.
+        assert a.sched.statistics().directory.pinned == 2
+        a.run_until(lambda: a.sched.statistics().redis_chunks_written == written + 2)
+        stats = tier.statistics()
+        assert stats.chunks_offered_again == 4 and stats.unwritten == 0
+        assert stats.writes_in_flight == 0
+        assert a.sched.statistics().directory.pinned == 0
+        # Now another engine finds them in Redis, bit for bit.
+        load(b, request("b", 2 * BLOCK + 8, seed=11), [10, 11, 12], 2 * BLOCK)
+        assert [b.block(x) for x in (10, 11)] == [a.block(x) for x in (1, 2)]
+        assert len(keys) == 2
+    finally:
+        own.kill()
+
+
+def store_failing(e: Engine, req: Any, blocks: list[int]) -> list[bytes]:
+    """Run ``req``'s prompt while Redis is down: stored to host memory, its writes failed."""
+    failed = e.sched.statistics().redis_writes_failed
+    e.sched.on_new_request(req)
+    e.step({req.request_id: (blocks,)}, {req.request_id: req.num_tokens})
+    keys = [key(req, c) for c in range(req.num_tokens // BLOCK)]
+    e.run_until(lambda: e.sched.statistics().redis_writes_failed == failed + len(keys))
+    return keys
 
 
 def test_a_cluster_is_shared_like_one_server(
