@@ -167,6 +167,12 @@ METRICS: tuple[Metric, ...] = (
         "Chunk writes to Redis skipped or failed (queue full, Redis full, timeout, down).",
     ),
     _counter(
+        "redis_blocks_offered_again",
+        "blocks",
+        "Offloaded blocks whose Redis write had failed, written again from host memory at a "
+        "load that took them from there 5 s or more after the failure.",
+    ),
+    _counter(
         "redis_lookups_waited",
         "lookups",
         "Lookups answered 'ask again' while the Redis tier's existence check was out.",

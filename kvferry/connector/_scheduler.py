@@ -926,6 +926,7 @@ class SchedulerSide:
                     redis_blocks_corrupt=c["redis_chunks_corrupt"],
                     redis_reads_failed=c["redis_reads_failed"],
                     redis_writes_failed=c["redis_writes_failed"],
+                    redis_blocks_offered_again=rs.chunks_offered_again,
                     redis_lookups_waited=rs.lookups_waited,
                     redis_lookups_unanswered=rs.lookups_unanswered,
                 )

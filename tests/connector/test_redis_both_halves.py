@@ -317,6 +317,8 @@ def test_chunks_whose_write_failed_are_written_again_at_a_host_hit_once_redis_is
         stats = tier.statistics()
         assert stats.chunks_offered_again == 4 and stats.unwritten == 0
         assert stats.writes_in_flight == 0
+        counters = a.sched.kv_connector_stats()["counters"]
+        assert counters["vllm:kvferry_redis_blocks_offered_again"] == 4
         assert a.sched.statistics().directory.pinned == 0
         # Now another engine finds them in Redis, bit for bit.
         load(b, request("b", 2 * BLOCK + 8, seed=11), [10, 11, 12], 2 * BLOCK)
