@@ -44,8 +44,14 @@ from typing import Any
 
 import attrs
 
-LARGE_MODEL = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 6,
-               "num_attention_heads": 12, "num_key_value_heads": 4, "head_dim": 64}
+LARGE_MODEL = {
+    "hidden_size": 768,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+}
 
 
 @attrs.frozen(kw_only=True)
@@ -63,12 +69,32 @@ class Sizes:
 
 
 # A document needs 12 blocks: the small cache holds 2 of 8, the large one all of them.
-FULL = Sizes(docs=8, doc_tokens=1500, small_blocks=24, large_blocks=160, max_model_len=2048,
-             rounds=5, unique_docs=12, unique_tokens=1000, unique_batches=5, model=LARGE_MODEL)
+FULL = Sizes(
+    docs=8,
+    doc_tokens=1500,
+    small_blocks=24,
+    large_blocks=160,
+    max_model_len=2048,
+    rounds=5,
+    unique_docs=12,
+    unique_tokens=1000,
+    unique_batches=5,
+    model=LARGE_MODEL,
+)
 # The tiny model of kvferry.testing; a document needs 5 blocks, the small cache holds 1
 # (vLLM keeps one block back: 8 blocks serve a max_model_len of 7 blocks at most).
-QUICK = Sizes(docs=3, doc_tokens=500, small_blocks=8, large_blocks=32, max_model_len=768,
-              rounds=1, unique_docs=4, unique_tokens=400, unique_batches=2, model={})
+QUICK = Sizes(
+    docs=3,
+    doc_tokens=500,
+    small_blocks=8,
+    large_blocks=32,
+    max_model_len=768,
+    rounds=1,
+    unique_docs=4,
+    unique_tokens=400,
+    unique_batches=2,
+    model={},
+)
 
 
 @attrs.define
@@ -96,8 +122,11 @@ def engine(model: str, sizes: Sizes, blocks: int, kvferry: dict[str, Any] | None
 
     from kvferry.testing import engine_args
 
-    return LLM(**engine_args(model, kvferry=kvferry, num_gpu_blocks=blocks,
-                             max_model_len=sizes.max_model_len))
+    return LLM(
+        **engine_args(
+            model, kvferry=kvferry, num_gpu_blocks=blocks, max_model_len=sizes.max_model_len
+        )
+    )
 
 
 def close(cfg: Config) -> None:
@@ -124,8 +153,9 @@ def reset(cfg: Config, timeout_s: float = 60.0) -> None:
         time.sleep(0.05)
 
 
-def one_at_a_time(llm: Any, docs: list[list[int]],
-                  order: list[int]) -> tuple[float, dict[int, list[int]], int]:
+def one_at_a_time(
+    llm: Any, docs: list[list[int]], order: list[int]
+) -> tuple[float, dict[int, list[int]], int]:
     from kvferry.testing import run_long_doc_passes
 
     seconds, tokens, loaded = 0.0, {}, 0
@@ -142,8 +172,9 @@ def serpentine(items: list[Any], r: int) -> list[Any]:
     return items if r % 2 == 0 else items[::-1]
 
 
-def reask_rounds(configs: list[Config], model: str, sizes: Sizes, docs: list[list[int]],
-                 orders: list[list[int]]) -> None:
+def reask_rounds(
+    configs: list[Config], model: str, sizes: Sizes, docs: list[list[int]], orders: list[list[int]]
+) -> None:
     """Every configuration's engine alive at once; rounds of pass 1 + pass 2 interleaved."""
     for cfg in configs:
         cfg.llm = engine(model, sizes, cfg.blocks, cfg.kvferry)
@@ -158,12 +189,16 @@ def reask_rounds(configs: list[Config], model: str, sizes: Sizes, docs: list[lis
             cfg.pass2_s.append(p2[0])
             cfg.loaded.append((p1[2], p2[2]))
             cfg.tokens += [p1[1], p2[1]]
-            print(f"  round {r + 1}/{sizes.rounds} {cfg.name}: pass 1 {p1[0]:.2f} s, "
-                  f"pass 2 {p2[0]:.2f} s, loaded {p2[2]}", flush=True)
+            print(
+                f"  round {r + 1}/{sizes.rounds} {cfg.name}: pass 1 {p1[0]:.2f} s, "
+                f"pass 2 {p2[0]:.2f} s, loaded {p2[2]}",
+                flush=True,
+            )
 
 
-def unique_rounds(configs: list[Config], model: str, sizes: Sizes,
-                  prompts: list[list[list[int]]]) -> dict[str, tuple[list[float], list[Any]]]:
+def unique_rounds(
+    configs: list[Config], model: str, sizes: Sizes, prompts: list[list[list[int]]]
+) -> dict[str, tuple[list[float], list[Any]]]:
     """Prompt tokens per second over batches of all-unique prompts, both engines alive and
     their batches interleaved; {name: (rate per batch, outputs per batch)}."""
     from kvferry.testing import run_long_doc_passes
@@ -193,8 +228,9 @@ def count_spans(folder: str) -> tuple[int, Counter[str]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke run: tiny model, 3 short documents, 1 round")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke run: tiny model, 3 short documents, 1 round"
+    )
     sizes = QUICK if parser.parse_args().quick else FULL
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     logging.getLogger("vllm").setLevel(logging.WARNING)
@@ -203,15 +239,19 @@ def main() -> None:
     equal_cpu_threads()  # else vLLM-CPU gives the engines with kvferry one more core
     docs = long_doc_prompts(sizes.docs, sizes.doc_tokens, seed=3)
     orders = [list(range(sizes.docs)), reask_order(sizes.docs, seed=4)]
-    unique = [long_doc_prompts(sizes.unique_docs, sizes.unique_tokens, seed=100 + b)
-              for b in range(sizes.unique_batches)]
+    unique = [
+        long_doc_prompts(sizes.unique_docs, sizes.unique_tokens, seed=100 + b)
+        for b in range(sizes.unique_batches)
+    ]
     # Traces off explicitly: a stray OTEL_* variable must not turn them on in the baseline.
     ferry_cfg = {"cpu_bytes_to_use": 512 << 20, "traces": {"enabled": False}}
     with tempfile.TemporaryDirectory() as tmp:
         model = str(make_tiny_model(os.path.join(tmp, "model"), **sizes.model))
         trace_dir = os.path.join(tmp, "traces")
-        traced_cfg = {**ferry_cfg, "traces": {
-            "file": os.path.join(trace_dir, "kvferry-{role}-{pid}.json"), "otlp": False}}
+        traced_cfg = {
+            **ferry_cfg,
+            "traces": {"file": os.path.join(trace_dir, "kvferry-{role}-{pid}.json"), "otlp": False},
+        }
         a = Config("(a) prefix caching, small cache", sizes.small_blocks, None)
         b = Config("(b) kvferry, small cache", sizes.small_blocks, ferry_cfg)
         c = Config("(c) large cache (resident)", sizes.large_blocks, None)
@@ -234,34 +274,48 @@ def main() -> None:
 
     configs = (a, b, c, d)
     reference = a.tokens[0]
-    outputs_equal = (all(t == reference for cfg in configs for t in cfg.tokens)
-                     and rates[plain.name][1] == rates[ferry.name][1])
+    outputs_equal = (
+        all(t == reference for cfg in configs for t in cfg.tokens)
+        and rates[plain.name][1] == rates[ferry.name][1]
+    )
     host_tier_cleared = all(p1 == 0 for cfg in configs for p1, _ in cfg.loaded)
     plain_rate, ferry_rate = (statistics.median(rates[n][0]) for n in (plain.name, ferry.name))
     spans = sum(span_names.values())
     traces_overhead = d.median("total_s") / b.median("total_s") - 1
     paired = " ".join(f"{td / tb - 1:+.1%}" for td, tb in zip(d.total_s, b.total_s, strict=True))
 
-    print(f"\nlong-document QA: {sizes.docs} documents x {sizes.doc_tokens} tokens, one request "
-          f"at a time; engine cache {sizes.small_blocks} (small) or {sizes.large_blocks} (large) "
-          f"blocks of 128 tokens; {sizes.rounds} interleaved rounds, medians")
-    print(f"{'configuration':<34} {'pass 1 (s)':>10} {'pass 2 (s)':>10} {'loaded tokens':>14}"
-          f"   per round: pass 1 / pass 2 (s)")
+    print(
+        f"\nlong-document QA: {sizes.docs} documents x {sizes.doc_tokens} tokens, one request "
+        f"at a time; engine cache {sizes.small_blocks} (small) or {sizes.large_blocks} (large) "
+        f"blocks of 128 tokens; {sizes.rounds} interleaved rounds, medians"
+    )
+    print(
+        f"{'configuration':<34} {'pass 1 (s)':>10} {'pass 2 (s)':>10} {'loaded tokens':>14}"
+        f"   per round: pass 1 / pass 2 (s)"
+    )
     for cfg in configs:
         pairs = zip(cfg.pass1_s, cfg.pass2_s, strict=True)
         rounds = "  ".join(f"{p1:.2f}/{p2:.2f}" for p1, p2 in pairs)
-        print(f"{cfg.name:<34} {cfg.median('pass1_s'):>10.2f} {cfg.median('pass2_s'):>10.2f} "
-              f"{statistics.median(p2 for _, p2 in cfg.loaded):>14.0f}   {rounds}")
+        print(
+            f"{cfg.name:<34} {cfg.median('pass1_s'):>10.2f} {cfg.median('pass2_s'):>10.2f} "
+            f"{statistics.median(p2 for _, p2 in cfg.loaded):>14.0f}   {rounds}"
+        )
     by_name = ", ".join(f"{n} {k}" for k, n in sorted(span_names.items()))
-    print(f"traces: {spans} spans in {trace_files} files ({by_name}); "
-          f"overhead {traces_overhead:+.1%} over pass 1 + pass 2 (per round: {paired})")
-    print(f"all-unique prompts ({sizes.unique_docs} x {sizes.unique_tokens} tokens per batch, "
-          f"{sizes.unique_batches - 1} batches each): {plain_rate:,.0f} tok/s without kvferry, "
-          f"{ferry_rate:,.0f} tok/s with   per batch: "
-          f"{' '.join(f'{x:,.0f}' for x in rates[plain.name][0])} / "
-          f"{' '.join(f'{x:,.0f}' for x in rates[ferry.name][0])}")
-    print(f"outputs equal across configurations, rounds and passes: {outputs_equal}; "
-          f"host tier empty after every reset: {host_tier_cleared}   (benchmark took {took:.0f} s)")
+    print(
+        f"traces: {spans} spans in {trace_files} files ({by_name}); "
+        f"overhead {traces_overhead:+.1%} over pass 1 + pass 2 (per round: {paired})"
+    )
+    print(
+        f"all-unique prompts ({sizes.unique_docs} x {sizes.unique_tokens} tokens per batch, "
+        f"{sizes.unique_batches - 1} batches each): {plain_rate:,.0f} tok/s without kvferry, "
+        f"{ferry_rate:,.0f} tok/s with   per batch: "
+        f"{' '.join(f'{x:,.0f}' for x in rates[plain.name][0])} / "
+        f"{' '.join(f'{x:,.0f}' for x in rates[ferry.name][0])}"
+    )
+    print(
+        f"outputs equal across configurations, rounds and passes: {outputs_equal}; "
+        f"host tier empty after every reset: {host_tier_cleared}   (benchmark took {took:.0f} s)"
+    )
     figures = {
         "pass2_recompute_vs_kvferry": round(a.median("pass2_s") / b.median("pass2_s"), 3),
         "pass2_kvferry_vs_resident": round(b.median("pass2_s") / c.median("pass2_s"), 3),
@@ -272,12 +326,16 @@ def main() -> None:
         "host_tier_cleared": host_tier_cleared,
         "rounds": sizes.rounds,
         "quick": sizes is QUICK,
-        "pass2_s": {"recompute": round(a.median("pass2_s"), 3),
-                    "kvferry": round(b.median("pass2_s"), 3),
-                    "resident": round(c.median("pass2_s"), 3),
-                    "kvferry_traced": round(d.median("pass2_s"), 3)},
-        "pass1_plus_2_s": {"kvferry": round(b.median("total_s"), 3),
-                           "kvferry_traced": round(d.median("total_s"), 3)},
+        "pass2_s": {
+            "recompute": round(a.median("pass2_s"), 3),
+            "kvferry": round(b.median("pass2_s"), 3),
+            "resident": round(c.median("pass2_s"), 3),
+            "kvferry_traced": round(d.median("pass2_s"), 3),
+        },
+        "pass1_plus_2_s": {
+            "kvferry": round(b.median("total_s"), 3),
+            "kvferry_traced": round(d.median("total_s"), 3),
+        },
     }
     print(json.dumps(figures))
 

@@ -118,9 +118,7 @@ class KVFerryWorkerMetadata(KVConnectorWorkerMetadata):
         )
 
 
-def _sum_counts(
-    mine: dict[int, list[int]], other: dict[int, list[int]]
-) -> dict[int, list[int]]:
+def _sum_counts(mine: dict[int, list[int]], other: dict[int, list[int]]) -> dict[int, list[int]]:
     """Per-chunk failure counts of two workers, job by job."""
     out = {k: list(v) for k, v in mine.items()}
     for job_id, counts in other.items():
