@@ -182,8 +182,8 @@ class DirectoryActor(Actor[DirectoryMsg]):
             case LoadLeased(slots=slots):
                 d.load_leased(slots)
                 return
-            case CompleteLoad(slots=slots):
-                d.complete_load(slots)
+            case CompleteLoad(slots=slots, handed=handed):
+                d.complete_load(slots, handed)
             case CompleteStore(slots=slots, ok=ok, pin=pin):
                 d.complete_store(slots, ok, pin)  # stored blocks can be evicted from now on
             case Touch(keys=keys):

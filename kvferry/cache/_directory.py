@@ -236,9 +236,10 @@ class Directory:
         self.policy.reuse(slots)
         self.loads_prepared += len(slots)
 
-    def complete_load(self, slots: npt.ArrayLike) -> None:
-        """Unpin the slots of a finished (or failed) load."""
-        self.loads_completed += self.unpin(slots)
+    def complete_load(self, slots: npt.ArrayLike, handed: npt.ArrayLike = ()) -> None:
+        """Unpin the slots of a finished (or failed) load; ``handed``: the load's slots
+        whose pins a write of them keeps (counted as loaded, not unpinned)."""
+        self.loads_completed += self.unpin(slots) + len(np.asarray(handed))
 
     def lease(self, keys: Sequence[Key]) -> I64:
         """Pin each READY key of ``keys`` (others are skipped); returns the pinned slots.

@@ -103,9 +103,13 @@ class LoadLeased:
 
 @attrs.frozen(kw_only=True)
 class CompleteLoad:
-    """A load finished (or failed): unpin its slots."""
+    """A load finished (or failed): unpin its slots. ``handed``: more of the load's slots,
+    whose pins pass to a write of them instead (released by :class:`Unpin` when it ends)."""
 
     slots: npt.NDArray[np.int64] = attrs.field(converter=_i64, eq=False)
+    handed: npt.NDArray[np.int64] = attrs.field(
+        converter=_i64, eq=False, factory=lambda: np.zeros(0, np.int64)
+    )
 
 
 @attrs.frozen(kw_only=True)

@@ -1428,11 +1428,14 @@ class SchedulerSide:
                     st.store_jobs.discard(job_id)
             else:
                 held = job.slots >= 0
+                handed = np.zeros(0, np.int64)
                 if not job.failed and self.redis is not None:
-                    held &= ~self._write_again(job)
+                    taken = self._write_again(job)
+                    handed = job.slots[taken]
+                    held &= ~taken
                 valid = job.slots[held]
-                if len(valid):
-                    self.directory_tell(CompleteLoad(slots=valid))
+                if len(valid) or len(handed):
+                    self.directory_tell(CompleteLoad(slots=valid, handed=handed))
                 self._end_disk_reads(job)
                 self._c["loads_failed" if job.failed else "loads_done"] += 1
                 if not job.failed:

@@ -319,7 +319,9 @@ def test_chunks_whose_write_failed_are_written_again_at_a_host_hit_once_redis_is
         assert stats.writes_in_flight == 0
         counters = a.sched.kv_connector_stats()["counters"]
         assert counters["vllm:kvferry_redis_blocks_offered_again"] == 4
-        assert a.sched.statistics().directory.pinned == 0
+        host = a.sched.statistics().directory
+        # Every pin came back, and every load counts as completed (the pins handed on too).
+        assert host.pinned == 0 and host.loads_completed == host.loads_prepared == 6
         # Now another engine finds them in Redis, bit for bit.
         load(b, request("b", 2 * BLOCK + 8, seed=11), [10, 11, 12], 2 * BLOCK)
         assert [b.block(x) for x in (10, 11)] == [a.block(x) for x in (1, 2)]
