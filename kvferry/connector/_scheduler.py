@@ -6,6 +6,7 @@ keys, engine block ids, jobs in flight); the host tier's directory is owned by t
 :class:`~kvferry.cache.DirectoryActor`, reached through the sync runtime with one call per
 vLLM call. The sizes come from ``_geometry.py`` (shared with the worker half); which
 engine block pairs with which host row is the pure planner's (``_planner.py``); the
+writes from host memory to the tiers below it are :class:`~._writes.TierWrites`'s; the
 report goes through the one table of metric names (``kvferry/_metrics.py``).
 
 A key is the chained block hash vLLM computed at the last token of an offloaded block,
@@ -43,7 +44,6 @@ from ..cache import (
     CompleteStore,
     DirectoryMsg,
     DirectoryStatistics,
-    EndDemotions,
     Fact,
     Facts,
     GetStatistics,
@@ -53,7 +53,6 @@ from ..cache import (
     PrepareLoad,
     PrepareStore,
     ResetCache,
-    TakeDemotions,
     TakeEvents,
     Touch,
     Unpin,
@@ -64,7 +63,7 @@ from ..transfer import CopyJob
 from ._blockinfo import BlockBook, group_specs
 from ._disk_tier import DiskTier
 from ._geometry import plan_geometry, windowed_hit
-from ._metadata import DiskChunks, DiskWriteSpec, JobSpec, KVFerryMetadata, KVFerryWorkerMetadata
+from ._metadata import DiskChunks, JobSpec, KVFerryMetadata, KVFerryWorkerMetadata
 from ._planner import (
     failed_load_parts,
     load_parts,
@@ -75,6 +74,7 @@ from ._planner import (
 from ._redis_tier import RedisTier, RedisTierStatistics
 from ._requests import DiskLease, JobState, ReqState, parse_request_params
 from ._tiers import check_hash_algo, disk_fingerprint
+from ._writes import TierWrites
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -249,7 +249,6 @@ class SchedulerSide:
         self._disk_leases: dict[str, DiskLease] = {}
         """Request -> the disk part of its last lookup's hit: keys leased (pinned) in the
         disk tier, and the host slots reserved to read them into."""
-        self._pending_disk_writes: list[DiskWriteSpec] = []
         if cfg.tiers:
             check_hash_algo(vllm_config)
             geo = self.geometry
@@ -270,7 +269,18 @@ class SchedulerSide:
                     self.redis = RedisTier(
                         tier, fingerprints, events=self.events_enabled, clock=clock
                     )
-        self._pending_redis_writes: list[DiskWriteSpec] = []
+        self._writes = TierWrites(
+            disk=self.disk,
+            redis=self.redis,
+            book=self._book,
+            counts=self._c,
+            jobs=self._jobs,
+            new_job_id=self._new_job_id,
+            tell=self.directory_tell,
+            ask=self._ask,
+            world_size=self.world_size,
+            events_enabled=self.events_enabled,
+        )
 
         async def setup(system: ActorSystem) -> ActorRef[DirectoryMsg]:
             tier = await spawn_host_tier(
@@ -791,10 +801,9 @@ class SchedulerSide:
                 plans.append(plan)
         self._prepare_stores(plans)
         if self.disk is not None and self.disk.write_back:
-            self._demote()
+            self._writes.demote()
         if self.redis is not None:
             self.redis.flush()  # this step's existence checks, one batch
-        meta_redis_writes, self._pending_redis_writes = self._pending_redis_writes, []
 
         meta = KVFerryMetadata(
             loads=self._pending_loads,
@@ -807,8 +816,8 @@ class SchedulerSide:
         self._pending_failed_loads = []
         if self.disk is not None:
             meta.disk_deletes = self.disk.take_deletes()
-            meta.disk_writes, self._pending_disk_writes = self._pending_disk_writes, []
-        meta.redis_writes = meta_redis_writes
+            meta.disk_writes, self._writes.disk_writes = self._writes.disk_writes, []
+        meta.redis_writes, self._writes.redis_writes = self._writes.redis_writes, []
         if self._facts:
             self._send_facts()
         return meta
@@ -990,8 +999,8 @@ class SchedulerSide:
             or self._pending_stores
             or self._pending_releases
             or self._pending_failed_loads
-            or self._pending_disk_writes
-            or self._pending_redis_writes
+            or self._writes.disk_writes
+            or self._writes.redis_writes
         )
 
     def statistics(self) -> SchedulerStatistics:
@@ -1155,91 +1164,11 @@ class SchedulerSide:
         if job.acks < self.world_size:
             return
         del self._expired[job.job_id]
-        self._end_disk_reads(job)
+        self._writes.reads_ended(job)
         st = self._reqs.get(job.req_id)
         self._store_again(st, job)
         if st is not None and st.load_job == job.job_id:
             st.load_job = None
-
-    def _end_disk_reads(self, job: JobState) -> None:
-        """A load's chunks from below host memory, once every worker reported: read
-        everywhere, their host slots become READY (the blocks are in host memory now);
-        else dropped, and a chunk that failed is dropped from its tier too (a disk file
-        deleted; a Redis key known absent, its damaged value deleted by the reader)."""
-        if self.disk is not None and len(job.disk_slots):
-            self.disk.unpin(job.disk_slots)
-        kept: set[bytes] = set()  # facts handed on to a disk write (_keep_on_disk)
-        for tier, keys, reported, slots in (
-            (self.disk, job.disk_keys, job.disk_failed, job.disk_host_slots),
-            (self.redis, job.redis_keys, job.redis_failed, job.redis_host_slots),
-        ):
-            if not keys or tier is None:
-                continue
-            n = len(keys)
-            failed = reported
-            if failed is None or len(failed) != n:  # unreported: nothing known to be good
-                failed = np.full(n, self.world_size, np.int64)
-            ok = failed == 0
-            if ok.any() and tier is self.redis:
-                good = [k for k, g in zip(keys, ok.tolist(), strict=True) if g]
-                kept = self._keep_on_disk(good, slots[ok], set(job.event_keys))
-            elif ok.any():
-                self.directory_tell(CompleteStore(slots=slots[ok], ok=True))
-            if not ok.all():
-                self.directory_tell(CompleteStore(slots=slots[~ok], ok=False))
-            if reported is not None:
-                tier.reads_ended(keys, failed)
-        self._book.retire(k for k in job.event_keys if k not in kept)
-
-    def _keep_on_disk(
-        self, keys: list[bytes], slots: npt.NDArray[np.int64], facts: set[bytes]
-    ) -> set[bytes]:
-        """Chunks read from Redis are in host memory now (READY); with a disk tier
-        written through they are written to the disk too, as a store's are (their host
-        slots pinned in the same message, until the write ended), so that they outlive
-        host memory and Redis's TTL. A disk written on eviction gets them when host
-        memory evicts them (:meth:`_demote`). Returns the keys of ``facts`` (the load's
-        block facts) the disk write now holds, retired when it ends."""
-        disk = self.disk
-        if disk is None or disk.write_back:
-            self.directory_tell(CompleteStore(slots=slots, ok=True))
-            return set()
-        places = disk.prepare_writes(keys)
-        chosen = places >= 0
-        self.directory_tell(CompleteStore(slots=slots, ok=True, pin=slots[chosen]))
-        if not chosen.any():
-            return set()
-        self._c["redis_chunks_kept_on_disk"] += int(chosen.sum())
-        written = [k for k, c in zip(keys, chosen.tolist(), strict=True) if c]
-        event_keys = tuple(k for k in written if k in facts)
-        self._write_down(written, slots[chosen], places[chosen], event_keys, demotion=False)
-        return set(event_keys)
-
-    def _write_again(self, job: JobState) -> npt.NDArray[np.bool_]:
-        """A load from host memory ended well: its chunks whose Redis write had failed a
-        while ago (:meth:`RedisTier.prepare_rewrites`) are written to Redis now, their
-        host slots keeping the load's pins until the write ends. Which of ``job.slots``
-        (the load's host chunks) went to such a write."""
-        redis = self.redis
-        taken = np.zeros(len(job.slots), np.bool_)
-        if redis is None or not redis.has_unwritten:
-            return taken
-        below = set(job.disk_keys) | set(job.redis_keys)
-        host_keys = [k for k in job.keys if k not in below] if below else list(job.keys)
-        if len(host_keys) != len(job.slots):  # not a load's own layout: nothing to take
-            return taken
-        usable = job.slots >= 0
-        idx = np.flatnonzero(usable)
-        places = redis.prepare_rewrites([host_keys[i] for i in idx.tolist()])
-        chosen = idx[places >= 0]
-        if not len(chosen):
-            return taken
-        taken[chosen] = True
-        keys = [host_keys[i] for i in chosen.tolist()]
-        self._write_down(
-            keys, job.slots[chosen], places[places >= 0], (), demotion=False, tier="redis"
-        )
-        return taken
 
     @staticmethod
     def _store_again(st: ReqState | None, job: JobState) -> None:
@@ -1247,112 +1176,6 @@ class SchedulerSide:
         again (those still held are skipped as present)."""
         if st is not None and job.first_chunk is not None:
             st.stored_upto = min(st.stored_upto, job.first_chunk)
-
-    def _write_through(self, job: JobState) -> None:
-        """A store ended well on every worker: its blocks become host hits, and those a
-        tier below takes are written down (to disk unless it is written on eviction; to
-        Redis), their host slots pinned, once per write (in the same message: no eviction
-        in between), until the write ends."""
-        writes = []
-        if self.disk is not None and not self.disk.write_back:
-            writes.append(("disk", self.disk.prepare_writes(job.keys)))
-        if self.redis is not None:
-            writes.append(("redis", self.redis.prepare_writes(job.keys)))
-        pins = [job.slots[places >= 0] for _, places in writes]
-        pin = np.concatenate(pins) if pins else np.zeros(0, np.int64)
-        self.directory_tell(CompleteStore(slots=job.slots, ok=True, pin=pin))
-        # The facts of the keys written down are kept for their tier's own event (the
-        # first write that takes a key keeps them; the other's event may be a placeholder).
-        kept: set[bytes] = set()
-        if self.disk is not None and self.disk.write_back:
-            kept.update(job.keys)  # for the disk's write on eviction (_demote)
-        for tier, places in writes:
-            chosen = places >= 0
-            if not chosen.any():
-                continue
-            keys = [k for k, c in zip(job.keys, chosen.tolist(), strict=True) if c]
-            taken = set(keys)
-            event_keys = tuple(k for k in job.event_keys if k in taken and k not in kept)
-            kept.update(event_keys)
-            self._write_down(
-                keys, job.slots[chosen], places[chosen], event_keys, demotion=False, tier=tier
-            )
-        self._book.retire([k for k in job.event_keys if k not in kept])
-
-    def _demote(self) -> None:
-        """``write: "on_evict"``: the blocks host memory evicted since the last step are
-        written down if the disk tier takes them (not there yet, admitted, room made),
-        their host slots kept (DEMOTING) until the write ended; the others are freed now.
-        Their block facts (the DISK event's) are retired when that is decided."""
-        disk = self.disk
-        if disk is None:  # only called with a disk tier written on eviction
-            return
-        demoted = self._ask(lambda r: TakeDemotions(reply=r))
-        if not len(demoted.slots):
-            return
-        keys = list(demoted.keys)
-        places = disk.prepare_writes(keys)
-        chosen = places >= 0
-        self._c["host_blocks_demoted"] += len(keys)
-        if not chosen.all():
-            self.directory_tell(EndDemotions(slots=demoted.slots[~chosen]))
-            if self.events_enabled:
-                self._book.retire(k for k, c in zip(keys, chosen.tolist(), strict=True) if not c)
-        if chosen.any():
-            written = [k for k, c in zip(keys, chosen.tolist(), strict=True) if c]
-            self._write_down(
-                written,
-                demoted.slots[chosen],
-                places[chosen],
-                tuple(written) if self.events_enabled else (),
-                demotion=True,
-            )
-
-    def _write_down(
-        self,
-        keys: list[bytes],
-        host: npt.NDArray[np.int64],
-        places: npt.NDArray[np.int64],
-        event_keys: tuple[bytes, ...],
-        *,
-        demotion: bool,
-        tier: str = "disk",
-    ) -> None:
-        """A write job of ``tier`` for the next step: ``keys`` from host slots ``host``
-        (pinned, or DEMOTING) into the tier's ``places``."""
-        write_id = self._new_job_id()
-        self._jobs[write_id] = JobState(
-            job_id=write_id,
-            req_id="",
-            is_store=True,
-            slots=host,
-            tokens=0,
-            disk_keys=tuple(keys),
-            disk_slots=places,
-            disk_write=True,
-            demotion=demotion,
-            event_keys=event_keys,
-            tier=tier,
-        )
-        pending = self._pending_redis_writes if tier == "redis" else self._pending_disk_writes
-        pending.append(DiskWriteSpec(job_id=write_id, chunks=DiskChunks(keys=keys, slots=host)))
-
-    def _end_disk_write(self, job: JobState) -> None:
-        tier = self.redis if job.tier == "redis" else self.disk
-        if tier is None:
-            return
-        n = len(job.disk_keys)
-        failed = job.redis_failed if job.tier == "redis" else job.disk_failed
-        if failed is None or len(failed) != n:
-            failed = np.full(n, self.world_size, np.int64)
-        self._c[f"{job.tier}_chunks_written"] += tier.writes_ended(
-            job.disk_slots, job.disk_keys, failed
-        )
-        self._book.retire(job.event_keys)
-        if job.demotion:
-            self.directory_tell(EndDemotions(slots=job.slots))
-        else:
-            self._unpin(job.slots)
 
     def _ack(self, meta: KVFerryWorkerMetadata) -> None:
         for key, value in meta.stats.items():
@@ -1388,7 +1211,7 @@ class SchedulerSide:
             del self._jobs[job_id]
             if job.disk_write:
                 self._stale_jobs.discard(job_id)
-                self._end_disk_write(job)
+                self._writes.write_ended(job)
                 continue
             for block in job.fenced:
                 jobs = self._fences[block]
@@ -1408,14 +1231,7 @@ class SchedulerSide:
                 stale = job_id in self._stale_jobs
                 self._stale_jobs.discard(job_id)
                 if job.keys and not job.failed and not stale:
-                    if self.disk is not None and self.disk.write_back and self.redis is None:
-                        # Written down when host memory evicts them (_demote): their
-                        # block facts are kept until then.
-                        self.directory_tell(CompleteStore(slots=job.slots, ok=True))
-                        kept = set(job.keys)
-                        self._book.retire(k for k in job.event_keys if k not in kept)
-                    else:
-                        self._write_through(job)
+                    self._writes.store_ended(job)
                 else:
                     self.directory_tell(
                         CompleteStore(slots=job.slots, ok=not job.failed and not stale)
@@ -1430,13 +1246,13 @@ class SchedulerSide:
                 held = job.slots >= 0
                 handed = np.zeros(0, np.int64)
                 if not job.failed and self.redis is not None:
-                    taken = self._write_again(job)
+                    taken = self._writes.write_again(job)
                     handed = job.slots[taken]
                     held &= ~taken
                 valid = job.slots[held]
                 if len(valid) or len(handed):
                     self.directory_tell(CompleteLoad(slots=valid, handed=handed))
-                self._end_disk_reads(job)
+                self._writes.reads_ended(job)
                 self._c["loads_failed" if job.failed else "loads_done"] += 1
                 if not job.failed:
                     self._c["tokens_loaded"] += job.tokens
