@@ -8,6 +8,6 @@ from __future__ import annotations
 from ._connector import KVFerryConnector as KVFerryConnector
 from ._metadata import KVFerryMetadata as KVFerryMetadata
 from ._metadata import KVFerryWorkerMetadata as KVFerryWorkerMetadata
-from ._scheduler import SchedulerStatistics as SchedulerStatistics
+from ._report import SchedulerStatistics as SchedulerStatistics
 
 __all__ = ["KVFerryConnector", "KVFerryMetadata", "KVFerryWorkerMetadata", "SchedulerStatistics"]

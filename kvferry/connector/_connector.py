@@ -31,7 +31,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from .._config import FerryConfig
 from ._metadata import KVFerryMetadata
-from ._scheduler import SchedulerSide, SchedulerStatistics
+from ._report import SchedulerStatistics
+from ._scheduler import SchedulerSide
 from ._stats import KVFerryPromMetrics, KVFerryStats
 from ._versions import check_vllm_version
 from ._worker import WorkerSide

@@ -6,8 +6,9 @@ keys, engine block ids, jobs in flight); the host tier's directory is owned by t
 :class:`~kvferry.cache.DirectoryActor`, reached through the sync runtime with one call per
 vLLM call. The sizes come from ``_geometry.py`` (shared with the worker half); which
 engine block pairs with which host row is the pure planner's (``_planner.py``); the
-writes from host memory to the tiers below it are :class:`~._writes.TierWrites`'s; the
-report goes through the one table of metric names (``kvferry/_metrics.py``).
+writes from host memory to the tiers below it are :class:`~._writes.TierWrites`'s; its
+counters and the report built from them once per step are ``_report.py``'s (every name
+from the one table of metric names, ``kvferry/_metrics.py``).
 
 A key is the chained block hash vLLM computed at the last token of an offloaded block,
 followed by the KV-cache group index (4 bytes, big-endian): the bytes vLLM's own
@@ -29,7 +30,6 @@ from collections.abc import Callable, Iterable
 from itertools import repeat
 from typing import TYPE_CHECKING, Any
 
-import attrs
 import numpy as np
 import numpy.typing as npt
 
@@ -37,13 +37,11 @@ from .. import traces
 from .._config import DiskTierConfig, FerryConfig, RedisTierConfig
 from .._errors import ActorCrashed, ActorStopped, InvariantError
 from .._logging import get_logger
-from .._metrics import counter_values, gauge_values
 from ..actors import ActorRef, ActorSystem, start_runtime
 from ..cache import (
     CompleteLoad,
     CompleteStore,
     DirectoryMsg,
-    DirectoryStatistics,
     Fact,
     Facts,
     GetStatistics,
@@ -71,7 +69,8 @@ from ._planner import (
     plan_store,
     storable_chunks,
 )
-from ._redis_tier import RedisTier, RedisTierStatistics
+from ._redis_tier import RedisTier
+from ._report import COUNTS, Report, SchedulerStatistics
 from ._requests import DiskLease, JobState, ReqState, parse_request_params
 from ._tiers import check_hash_algo, disk_fingerprint
 from ._writes import TierWrites
@@ -83,61 +82,6 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
-
-
-@attrs.frozen(kw_only=True)
-class SchedulerStatistics:
-    """kvferry's scheduler-side counters (tokens, jobs) and its directory's."""
-
-    tokens_looked_up: int
-    tokens_hit: int
-    tokens_missed: int
-    tokens_loaded: int
-    tokens_stored: int
-    loads_done: int
-    loads_failed: int
-    stores_done: int
-    stores_failed: int
-    stores_fenced: int
-    lookups_deferred: int
-    load_bytes: int
-    store_bytes: int
-    load_seconds: float
-    store_seconds: float
-    jobs_in_flight: int
-    directory: DirectoryStatistics
-    disk_tokens_hit: int = 0
-    disk_read_bytes: int = 0
-    disk_read_seconds: float = 0.0
-    disk_write_bytes: int = 0
-    disk_write_seconds: float = 0.0
-    disk_chunks_written: int = 0
-    disk_chunks_corrupt: int = 0
-    disk_reads_failed: int = 0
-    disk_writes_failed: int = 0
-    disk_hits_cut: int = 0
-    """Lookups whose disk hit was cut short: no host slot to read a chunk into."""
-    redis_tokens_hit: int = 0
-    redis_read_bytes: int = 0
-    redis_read_seconds: float = 0.0
-    redis_write_bytes: int = 0
-    redis_write_seconds: float = 0.0
-    redis_chunks_written: int = 0
-    redis_chunks_corrupt: int = 0
-    redis_reads_failed: int = 0
-    redis_writes_failed: int = 0
-    redis_hits_cut: int = 0
-    """Lookups whose Redis hit was cut short: no host slot to read a chunk into."""
-    redis_chunks_kept_on_disk: int = 0
-    """Chunks read from Redis then written to the disk tier too (written through), of
-    every group; ``disk_chunks_written`` counts them when their write ended."""
-    host_blocks_demoted: int = 0
-    """``write: "on_evict"``: blocks host memory evicted, each then written down or
-    (already on disk, not admitted, no room) dropped."""
-    disk: DirectoryStatistics | None = None
-    """The disk tier's directory (None without a disk tier)."""
-    redis: RedisTierStatistics | None = None
-    """The Redis tier's existence checks (None without a Redis tier)."""
 
 
 class SchedulerSide:
@@ -164,56 +108,8 @@ class SchedulerSide:
         self._pending_loads: list[JobSpec] = []
         self._pending_stores: list[JobSpec] = []
         self._pending_releases: list[str] = []
-        self._c: dict[str, Any] = dict.fromkeys(
-            (
-                "tokens_looked_up",
-                "tokens_hit",
-                "tokens_missed",
-                "tokens_loaded",
-                "tokens_stored",
-                "loads_done",
-                "loads_failed",
-                "stores_done",
-                "stores_failed",
-                "stores_fenced",
-                "lookups_deferred",
-                "load_bytes",
-                "store_bytes",
-                "load_seconds",
-                "store_seconds",
-                "disk_tokens_hit",
-                "disk_read_bytes",
-                "disk_read_seconds",
-                "disk_write_bytes",
-                "disk_write_seconds",
-                "disk_chunks_written",
-                "disk_chunks_corrupt",
-                "disk_reads_failed",
-                "disk_writes_failed",
-                "disk_hits_cut",
-                "host_blocks_demoted",
-                "redis_tokens_hit",
-                "redis_read_bytes",
-                "redis_read_seconds",
-                "redis_write_bytes",
-                "redis_write_seconds",
-                "redis_chunks_written",
-                "redis_chunks_corrupt",
-                "redis_reads_failed",
-                "redis_writes_failed",
-                "redis_hits_cut",
-                "redis_chunks_kept_on_disk",
-            ),
-            0,
-        )
+        self._c: dict[str, Any] = dict.fromkeys(COUNTS, 0)
 
-        self._dir_stats: DirectoryStatistics | None = None
-        self._dir_dirty = True
-        self._dir_stats_at = 0.0
-        self._reported: dict[str, float] = {}
-        self._reported_gauges: dict[str, float] = {}
-        # What the last report was built from (host tier only): the same again is no news.
-        self._reported_from: tuple[dict[str, Any], DirectoryStatistics | None] = ({}, None)
         self._stale_jobs: set[int] = set()
         self._fences: dict[int, set[int]] = {}
         """Engine block id -> store jobs still reading it (sliding-window groups)."""
@@ -269,6 +165,9 @@ class SchedulerSide:
                     self.redis = RedisTier(
                         tier, fingerprints, events=self.events_enabled, clock=clock
                     )
+        self._report = Report(
+            self._c, self.disk, self.redis, lambda: self._ask(lambda r: GetStatistics(reply=r))
+        )
         self._writes = TierWrites(
             disk=self.disk,
             redis=self.redis,
@@ -509,7 +408,7 @@ class SchedulerSide:
             return hit_chunks, None
         dkeys = [keys[i] for i in idx.tolist()]
         reserved = self._ask(lambda r: PrepareStore(keys=tuple(dkeys), admit=False, reply=r))
-        self._dir_dirty = True
+        self._report.dirty = True
         short = reserved < 0
         if short.any():
             cut = int(idx[int(np.argmax(short))]) // G  # chunks before the first one short
@@ -869,99 +768,7 @@ class SchedulerSide:
 
     def kv_connector_stats(self) -> dict[str, Any] | None:
         """Counter increments since the last call, and current gauges (vLLM's stats channel)."""
-        now_s = time.monotonic()
-        # The directory's gauges are for monitoring: refreshed at most every 0.5 s while
-        # requests run, not at the price of an ask on every engine step, and once more when
-        # the last request and job ended (so an idle engine reports its final state).
-        if self._dir_stats is None or (
-            self._dir_dirty
-            and (now_s - self._dir_stats_at >= 0.5 or not (self._jobs or self._reqs))
-        ):
-            self._dir_stats = self._ask(lambda r: GetStatistics(reply=r))
-            self._dir_stats_at = now_s
-            self._dir_dirty = False
-        d = self._dir_stats
-        c = self._c
-        if self.disk is None and self.redis is None:
-            seen_c, seen_d = self._reported_from
-            if d is seen_d and c == seen_c:
-                return None  # no counter moved and the gauges are those reported
-            self._reported_from = (dict(c), d)
-        now = counter_values(
-            tokens_looked_up=c["tokens_looked_up"],
-            tokens_hit=c["tokens_hit"],
-            tokens_missed=c["tokens_missed"],
-            tokens_loaded=c["tokens_loaded"],
-            tokens_stored=c["tokens_stored"],
-            load_bytes=c["load_bytes"],
-            store_bytes=c["store_bytes"],
-            load_seconds=c["load_seconds"],
-            store_seconds=c["store_seconds"],
-            loads_failed=c["loads_failed"],
-            stores_failed=c["stores_failed"],
-            stores_fenced=c["stores_fenced"],
-            lookups_deferred=c["lookups_deferred"],
-            stores_skipped=d.stores_skipped_present + d.stores_skipped_full,
-            evictions=d.evictions,
-        )
-        disk = self.disk
-        if disk is not None:
-            dd = disk.dir
-            now.update(
-                counter_values(
-                    disk_tokens_hit=c["disk_tokens_hit"],
-                    disk_read_bytes=c["disk_read_bytes"],
-                    disk_read_seconds=c["disk_read_seconds"],
-                    disk_write_bytes=c["disk_write_bytes"],
-                    disk_write_seconds=c["disk_write_seconds"],
-                    disk_blocks_written=c["disk_chunks_written"],
-                    disk_blocks_corrupt=c["disk_chunks_corrupt"],
-                    disk_reads_failed=c["disk_reads_failed"],
-                    disk_writes_failed=c["disk_writes_failed"],
-                    disk_evictions=dd.evictions,
-                )
-            )
-        redis = self.redis
-        if redis is not None:
-            rs = redis.statistics()
-            now.update(
-                counter_values(
-                    redis_tokens_hit=c["redis_tokens_hit"],
-                    redis_read_bytes=c["redis_read_bytes"],
-                    redis_read_seconds=c["redis_read_seconds"],
-                    redis_write_bytes=c["redis_write_bytes"],
-                    redis_write_seconds=c["redis_write_seconds"],
-                    redis_blocks_written=c["redis_chunks_written"],
-                    redis_blocks_corrupt=c["redis_chunks_corrupt"],
-                    redis_reads_failed=c["redis_reads_failed"],
-                    redis_writes_failed=c["redis_writes_failed"],
-                    redis_blocks_offered_again=rs.chunks_offered_again,
-                    redis_lookups_waited=rs.lookups_waited,
-                    redis_lookups_unanswered=rs.lookups_unanswered,
-                )
-            )
-        deltas = {k: v - self._reported.get(k, 0) for k, v in now.items()}
-        self._reported = now
-        counters = {k: v for k, v in deltas.items() if v}
-        gauges = gauge_values(
-            host_blocks_used=d.used,
-            host_blocks_capacity=d.capacity,
-            host_usage_ratio=d.used / d.capacity,
-        )
-        if disk is not None:
-            # Resident: on disk on every worker (READY), as a lookup sees the tier.
-            ready = disk.dir.used - disk.writes_in_flight
-            gauges.update(
-                gauge_values(
-                    disk_blocks_used=ready,
-                    disk_blocks_capacity=disk.capacity,
-                    disk_usage_ratio=ready / disk.capacity,
-                )
-            )
-        if not counters and gauges == self._reported_gauges:
-            return None
-        self._reported_gauges = gauges
-        return {"counters": counters, "gauges": gauges}
+        return self._report.take(busy=bool(self._jobs or self._reqs))
 
     def reset(self) -> bool:
         """Clear the host tier. Jobs in flight end normally; stores that were in flight are
@@ -973,7 +780,7 @@ class SchedulerSide:
             dropped += self.disk.reset()
         if self.redis is not None:
             self.redis.reset()  # its answers only: the chunks are shared with other engines
-        self._dir_dirty = True
+        self._report.dirty = True
         self._stale_jobs.update(j for j, job in self._jobs.items() if job.is_store)
         for st in self._reqs.values():
             st.stored_upto = 0
@@ -1056,7 +863,7 @@ class SchedulerSide:
         if not all_keys:
             return
         slots_all = self._ask(lambda r: PrepareStore(keys=tuple(all_keys), reply=r))
-        self._dir_dirty = True
+        self._report.dirty = True
         geo = self.geometry
         G = geo.num_groups
         pos = 0
@@ -1138,7 +945,7 @@ class SchedulerSide:
                 self.directory_tell(CompleteLoad(slots=valid))
             # Its disk chunks' host slots stay reserved until every worker reported: a late
             # read still writes into them (_ack_expired ends them).
-            self._dir_dirty = True
+            self._report.dirty = True
             self._c["loads_failed"] += 1
             reason = f"no worker reported it within job_timeout_s={self.cfg.job_timeout_s}"
             self._log.error(
@@ -1226,7 +1033,7 @@ class SchedulerSide:
                 workers_failed=failed,
             )
             st = self._reqs.get(job.req_id)
-            self._dir_dirty = True
+            self._report.dirty = True
             if job.is_store:
                 stale = job_id in self._stale_jobs
                 self._stale_jobs.discard(job_id)

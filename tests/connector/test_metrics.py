@@ -32,7 +32,7 @@ def test_the_scheduler_reports_every_name_of_the_table_and_no_other(scheduler: A
     assert first == {"counters": {}, "gauges": first["gauges"]}
     # Without a disk or Redis tier, none of their series.
     assert set(first["gauges"]) == {m.full_name for m in GAUGES if not m.full_name.startswith(DISK)}
-    reported = set(scheduler._reported)
+    reported = set(scheduler._report.reported)
     assert reported == {
         m.full_name for m in COUNTERS if not m.full_name.startswith((DISK, REDIS))
     } - {UNKNOWN_METRICS}
@@ -47,7 +47,7 @@ def test_with_a_disk_tier_the_scheduler_reports_its_series_too(
         assert set(first["gauges"]) == {m.full_name for m in GAUGES}
         assert first["gauges"][DISK + "blocks_used"] == 0
         assert first["gauges"][DISK + "blocks_capacity"] == side.disk.capacity > 0
-        assert set(side._reported) == {
+        assert set(side._report.reported) == {
             m.full_name for m in COUNTERS if not m.full_name.startswith(REDIS)
         } - {UNKNOWN_METRICS}
 

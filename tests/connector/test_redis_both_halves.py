@@ -234,7 +234,7 @@ def test_with_a_redis_tier_the_scheduler_reports_its_series(
     first = e.sched.kv_connector_stats()
     disk = "vllm:kvferry_disk_"
     assert set(first["gauges"]) == {m.full_name for m in GAUGES if not m.full_name.startswith(disk)}
-    assert set(e.sched._reported) == {
+    assert set(e.sched._report.reported) == {
         m.full_name for m in COUNTERS if not m.full_name.startswith(disk)
     } - {UNKNOWN_METRICS}
     store(e, request("r1", 2 * BLOCK + 8, seed=4), [1, 2, 3])

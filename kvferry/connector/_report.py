@@ -1,0 +1,247 @@
+"""What the scheduler half counts, and what it reports of it once per engine step.
+
+:data:`COUNTS` names its counters (each a field of :class:`SchedulerStatistics`, which
+:meth:`KVFerryConnector.statistics` returns); :class:`Report` turns them, the directory's
+statistics and the lower tiers' into vLLM's stats channel (``get_kv_connector_stats``,
+:class:`~._stats.KVFerryStats`): the counters' increments since the last report, and the
+gauges, every name from the one table in ``kvferry/_metrics.py``.
+
+Who owns what: :class:`~kvferry.connector._scheduler.SchedulerSide` owns one
+:class:`Report` and its counters, on vLLM's engine thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from .._metrics import counter_values, gauge_values
+from ..cache import DirectoryStatistics
+from ._disk_tier import DiskTier
+from ._redis_tier import RedisTier, RedisTierStatistics
+
+COUNTS: tuple[str, ...] = (
+    "tokens_looked_up",
+    "tokens_hit",
+    "tokens_missed",
+    "tokens_loaded",
+    "tokens_stored",
+    "loads_done",
+    "loads_failed",
+    "stores_done",
+    "stores_failed",
+    "stores_fenced",
+    "lookups_deferred",
+    "load_bytes",
+    "store_bytes",
+    "load_seconds",
+    "store_seconds",
+    "disk_tokens_hit",
+    "disk_read_bytes",
+    "disk_read_seconds",
+    "disk_write_bytes",
+    "disk_write_seconds",
+    "disk_chunks_written",
+    "disk_chunks_corrupt",
+    "disk_reads_failed",
+    "disk_writes_failed",
+    "disk_hits_cut",
+    "host_blocks_demoted",
+    "redis_tokens_hit",
+    "redis_read_bytes",
+    "redis_read_seconds",
+    "redis_write_bytes",
+    "redis_write_seconds",
+    "redis_chunks_written",
+    "redis_chunks_corrupt",
+    "redis_reads_failed",
+    "redis_writes_failed",
+    "redis_hits_cut",
+    "redis_chunks_kept_on_disk",
+)
+"""The scheduler side's counters (``SchedulerSide._c``), all from 0."""
+
+
+@attrs.frozen(kw_only=True)
+class SchedulerStatistics:
+    """kvferry's scheduler-side counters (tokens, jobs) and its directory's."""
+
+    tokens_looked_up: int
+    tokens_hit: int
+    tokens_missed: int
+    tokens_loaded: int
+    tokens_stored: int
+    loads_done: int
+    loads_failed: int
+    stores_done: int
+    stores_failed: int
+    stores_fenced: int
+    lookups_deferred: int
+    load_bytes: int
+    store_bytes: int
+    load_seconds: float
+    store_seconds: float
+    jobs_in_flight: int
+    directory: DirectoryStatistics
+    disk_tokens_hit: int = 0
+    disk_read_bytes: int = 0
+    disk_read_seconds: float = 0.0
+    disk_write_bytes: int = 0
+    disk_write_seconds: float = 0.0
+    disk_chunks_written: int = 0
+    disk_chunks_corrupt: int = 0
+    disk_reads_failed: int = 0
+    disk_writes_failed: int = 0
+    disk_hits_cut: int = 0
+    """Lookups whose disk hit was cut short: no host slot to read a chunk into."""
+    redis_tokens_hit: int = 0
+    redis_read_bytes: int = 0
+    redis_read_seconds: float = 0.0
+    redis_write_bytes: int = 0
+    redis_write_seconds: float = 0.0
+    redis_chunks_written: int = 0
+    redis_chunks_corrupt: int = 0
+    redis_reads_failed: int = 0
+    redis_writes_failed: int = 0
+    redis_hits_cut: int = 0
+    """Lookups whose Redis hit was cut short: no host slot to read a chunk into."""
+    redis_chunks_kept_on_disk: int = 0
+    """Chunks read from Redis then written to the disk tier too (written through), of
+    every group; ``disk_chunks_written`` counts them when their write ended."""
+    host_blocks_demoted: int = 0
+    """``write: "on_evict"``: blocks host memory evicted, each then written down or
+    (already on disk, not admitted, no room) dropped."""
+    disk: DirectoryStatistics | None = None
+    """The disk tier's directory (None without a disk tier)."""
+    redis: RedisTierStatistics | None = None
+    """The Redis tier's existence checks (None without a Redis tier)."""
+
+
+class Report:
+    """The per-step report of one scheduler side (see the module docstring).
+
+    ``counts``: the scheduler side's counters (read, never written);
+    ``directory_statistics``: asks the host tier's directory for its statistics (an
+    actor call: made at most every 0.5 s while requests run).
+    """
+
+    def __init__(
+        self,
+        counts: dict[str, Any],
+        disk: DiskTier | None,
+        redis: RedisTier | None,
+        directory_statistics: Callable[[], DirectoryStatistics],
+    ) -> None:
+        self._counts = counts
+        self._disk = disk
+        self._redis = redis
+        self._directory_statistics = directory_statistics
+        self.dirty = True
+        """The directory changed since its statistics were read (set by the scheduler
+        side)."""
+        self._statistics: DirectoryStatistics | None = None
+        self._statistics_at = 0.0
+        self.reported: dict[str, float] = {}
+        """The counters' values at the last report."""
+        self._gauges: dict[str, float] = {}
+        # What the last report was built from (host tier only): the same again is no news.
+        self._built_from: tuple[dict[str, Any], DirectoryStatistics | None] = ({}, None)
+
+    def take(self, *, busy: bool) -> dict[str, Any] | None:
+        """Counter increments since the last call, and current gauges (vLLM's stats
+        channel); None when nothing changed. ``busy``: requests or jobs are in flight."""
+        now_s = time.monotonic()
+        # The directory's gauges are for monitoring: refreshed at most every 0.5 s while
+        # requests run, not at the price of an ask on every engine step, and once more when
+        # the last request and job ended (so an idle engine reports its final state).
+        if self._statistics is None or (
+            self.dirty and (now_s - self._statistics_at >= 0.5 or not busy)
+        ):
+            self._statistics = self._directory_statistics()
+            self._statistics_at = now_s
+            self.dirty = False
+        d = self._statistics
+        c = self._counts
+        if self._disk is None and self._redis is None:
+            seen_c, seen_d = self._built_from
+            if d is seen_d and c == seen_c:
+                return None  # no counter moved and the gauges are those reported
+            self._built_from = (dict(c), d)
+        now = counter_values(
+            tokens_looked_up=c["tokens_looked_up"],
+            tokens_hit=c["tokens_hit"],
+            tokens_missed=c["tokens_missed"],
+            tokens_loaded=c["tokens_loaded"],
+            tokens_stored=c["tokens_stored"],
+            load_bytes=c["load_bytes"],
+            store_bytes=c["store_bytes"],
+            load_seconds=c["load_seconds"],
+            store_seconds=c["store_seconds"],
+            loads_failed=c["loads_failed"],
+            stores_failed=c["stores_failed"],
+            stores_fenced=c["stores_fenced"],
+            lookups_deferred=c["lookups_deferred"],
+            stores_skipped=d.stores_skipped_present + d.stores_skipped_full,
+            evictions=d.evictions,
+        )
+        disk = self._disk
+        if disk is not None:
+            dd = disk.dir
+            now.update(
+                counter_values(
+                    disk_tokens_hit=c["disk_tokens_hit"],
+                    disk_read_bytes=c["disk_read_bytes"],
+                    disk_read_seconds=c["disk_read_seconds"],
+                    disk_write_bytes=c["disk_write_bytes"],
+                    disk_write_seconds=c["disk_write_seconds"],
+                    disk_blocks_written=c["disk_chunks_written"],
+                    disk_blocks_corrupt=c["disk_chunks_corrupt"],
+                    disk_reads_failed=c["disk_reads_failed"],
+                    disk_writes_failed=c["disk_writes_failed"],
+                    disk_evictions=dd.evictions,
+                )
+            )
+        redis = self._redis
+        if redis is not None:
+            rs = redis.statistics()
+            now.update(
+                counter_values(
+                    redis_tokens_hit=c["redis_tokens_hit"],
+                    redis_read_bytes=c["redis_read_bytes"],
+                    redis_read_seconds=c["redis_read_seconds"],
+                    redis_write_bytes=c["redis_write_bytes"],
+                    redis_write_seconds=c["redis_write_seconds"],
+                    redis_blocks_written=c["redis_chunks_written"],
+                    redis_blocks_corrupt=c["redis_chunks_corrupt"],
+                    redis_reads_failed=c["redis_reads_failed"],
+                    redis_writes_failed=c["redis_writes_failed"],
+                    redis_blocks_offered_again=rs.chunks_offered_again,
+                    redis_lookups_waited=rs.lookups_waited,
+                    redis_lookups_unanswered=rs.lookups_unanswered,
+                )
+            )
+        deltas = {k: v - self.reported.get(k, 0) for k, v in now.items()}
+        self.reported = now
+        counters = {k: v for k, v in deltas.items() if v}
+        gauges = gauge_values(
+            host_blocks_used=d.used,
+            host_blocks_capacity=d.capacity,
+            host_usage_ratio=d.used / d.capacity,
+        )
+        if disk is not None:
+            # Resident: on disk on every worker (READY), as a lookup sees the tier.
+            ready = disk.dir.used - disk.writes_in_flight
+            gauges.update(
+                gauge_values(
+                    disk_blocks_used=ready,
+                    disk_blocks_capacity=disk.capacity,
+                    disk_usage_ratio=ready / disk.capacity,
+                )
+            )
+        if not counters and gauges == self._gauges:
+            return None
+        self._gauges = gauges
+        return {"counters": counters, "gauges": gauges}
