@@ -19,6 +19,11 @@ payload) is sealed with AES-GCM (``cryptography``), a fresh 12-byte nonce first,
 Redis key as associated data: a value that does not decrypt (tampered with, written
 under another key or with another key) is corrupt (field ``"auth"``).
 
+A read's replies go straight from the connection into their slots as they arrive (the
+same connections read the replies to GETs of :class:`_Into` keys themselves), the
+payload hashed piece by piece while it is in the CPU's cache, with no bytes object of
+the whole value made; a sealed value, or one on a connection whose parser is not
+hiredis, is read whole by the parser first.
 Every read verifies the header (magic, version, header checksum, fingerprint, key,
 length) and the payload's xxh3 checksum. A value that fails is a miss, counted by the
 check that failed, logged once per check, and deleted. Failures are misses, never errors
@@ -38,6 +43,7 @@ import hmac
 import os
 import time
 import urllib.parse
+from collections import deque
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -45,6 +51,7 @@ import anyio
 import attrs
 import numpy as np
 import numpy.typing as npt
+import xxhash
 
 from .._errors import ConfigError
 from .._logging import get_logger
@@ -185,21 +192,225 @@ def _pack_joined(encoder: Any, args: tuple[Any, ...]) -> list[bytes | memoryview
     return out
 
 
+class _Into(bytes):
+    """A GET's key (its bytes) that carries ``sink``, which takes the reply: the
+    connection that packs the command queues the sink, and hands it its reply as it
+    reads it (:func:`_joining_connection`). Bytes, so that a cluster client routes it
+    like any key."""
+
+    sink: _Target
+
+
+def _into(key: bytes, sink: _Target) -> _Into:
+    k = _Into(key)
+    k.sink = sink
+    return k
+
+
+@attrs.define(eq=False)
+class _Sink:
+    """Where one read's replies go as they are read: ``take(i)`` is the
+    :class:`_Target` of reply ``i``, which verifies it into ``views[i]``. ``open`` is
+    cleared when the read ends, so that a reply read after that (none is: a read cut
+    short disconnects) writes into no slot."""
+
+    store: RedisStore
+    keys: Sequence[bytes]
+    rkeys: list[bytes]
+    views: list[memoryview]
+    open: bool = True
+
+    def take(self, i: int) -> _Target:
+        return _Target(self, i)
+
+
+@attrs.define(eq=False)
+class _Target:
+    """Reply ``i`` of a read (:class:`_Sink`). Either way it is taken, it returns a
+    marker in the reply's place: :data:`_VERIFIED` (the payload is in its slot), a
+    :class:`_Rejected` (what it found is returned, never raised: an exception would
+    leave the connection's later replies unread, and a pipeline takes an exception in
+    a reply's place for the server's error), or None (no such key)."""
+
+    sink: _Sink
+    i: int
+
+    def __call__(self, value: Any) -> Any:
+        """The whole reply, as the parser returned it."""
+        sink, i = self.sink, self.i
+        if not sink.open or value is None or isinstance(value, Exception):
+            return value
+        try:
+            sink.store._decode_into(sink.keys[i], sink.rkeys[i], value, sink.views[i])
+        except ChunkCorrupt as exc:
+            return _Rejected(exc)
+        return _VERIFIED
+
+    async def stream_in(self, stream: Any, n: int) -> Any:
+        """The reply's ``n`` bytes and its CRLF, read from ``stream`` (an asyncio
+        ``StreamReader``) as they arrive: the header, verified; then the payload a piece
+        at a time, each copied into the slot and hashed while it is in the CPU's cache.
+        A value that cannot stream (sealed, or not of the slot's length) is read whole
+        and verified as one. Reads exactly the reply's bytes, or raises (the connection
+        is then dropped)."""
+        sink, i = self.sink, self.i
+        store, view = sink.store, sink.views[i]
+        start = compact_header_size(len(sink.keys[i]))
+        total = len(view)
+        if store._aead is not None or n != start + total or not sink.open:
+            data = await stream.readexactly(n + 2)
+            _check_crlf(data[-2:])
+            return self(memoryview(data)[:n])
+        piece = await stream.readexactly(start)
+        try:
+            header = decode_header(
+                piece,
+                fingerprint=store.fingerprint.digest,
+                key=sink.keys[i],
+                payload_length=total,
+                compact=True,
+            )
+        except ChunkCorrupt as exc:
+            await _skip(stream, total + 2)
+            return _Rejected(exc)
+        hasher = xxhash.xxh3_64()
+        pos = 0
+        while pos < total:
+            piece = await stream.read(min(total - pos, _PIECE))
+            if not piece:
+                raise EOFError("the server closed the connection inside a reply")
+            view[pos : pos + len(piece)] = piece
+            hasher.update(piece)
+            pos += len(piece)
+        _check_crlf(await stream.readexactly(2))
+        if hasher.intdigest() != header.payload_checksum:
+            return _Rejected(ChunkCorrupt("checksum", "payload bytes do not match their checksum"))
+        return _VERIFIED
+
+
+_PIECE = 1 << 16
+"""The most of a payload taken from the stream at once: a piece stays in the CPU's
+cache from its copy into the slot to its hash."""
+
+
+def _check_crlf(end: bytes) -> None:
+    if end != b"\r\n":
+        raise EOFError(f"a bulk reply ends in {end!r}, not CRLF")
+
+
+async def _skip(stream: Any, n: int) -> None:
+    """Read and drop ``n`` bytes of ``stream``, a piece at a time."""
+    while n > 0:
+        piece = await stream.read(min(n, _PIECE))
+        if not piece:
+            raise EOFError("the server closed the connection inside a reply")
+        n -= len(piece)
+
+
+@attrs.frozen
+class _Rejected:
+    """A reply that failed verification as it was read."""
+
+    error: ChunkCorrupt
+
+
+_VERIFIED = object()
+"""A reply verified and copied into its slot as it was read (:class:`_Sink`)."""
+
 _JOINING: dict[type[Any], type[Any]] = {}
 
 
 def _joining_connection(base: type[Any]) -> type[Any]:
     """``base`` (a ``redis.asyncio`` connection class) that also packs :class:`_Joined`
-    values; one class per base."""
+    values, and streams the reply of a GET of an :class:`_Into` key into its sink; one
+    class per base.
+
+    Replies come back in the order commands were sent, so a connection keeps the sinks
+    of the commands it packed (a new batch, ``pack_commands``, starts afresh) and queues
+    them once they are sent: replies read before that (the handshake of a connection
+    opened to send them, a health check) are not theirs. A disconnect forgets them. A
+    reply with a sink waiting is read here when the parser holds no bytes of its own
+    (hiredis between replies: always, in a batch of such GETs): its length line, then
+    the value, through :meth:`_Target.stream_in`, taken from the stream's buffer a
+    piece at a time; the parser would have copied it three times first (its reads, its
+    own buffer, the reply's bytes). Otherwise the parser reads it, and the sink takes
+    what it returns. An error reply raises what the parser's would (``MOVED`` on a
+    cluster); a read that fails, or is cancelled, disconnects, as the base class's
+    does."""
     joining = _JOINING.get(base)
     if joining is None:
+        from redis.exceptions import ConnectionError as RedisConnectionError
 
         def pack_command(self: Any, *args: Any) -> Any:
-            if any(type(a) is _Joined for a in args):
+            joined = False
+            for a in args:
+                t = type(a)
+                if t is _Into:
+                    packed = self.__dict__.setdefault("_kvferry_packed", deque())
+                    packed.append(a.sink)
+                elif t is _Joined:
+                    joined = True
+            if joined:
                 return _pack_joined(self.encoder, args)
             return base.pack_command(self, *args)
 
-        joining = type(f"Joining{base.__name__}", (base,), {"pack_command": pack_command})
+        def pack_commands(self: Any, commands: Any) -> Any:
+            self.__dict__.pop("_kvferry_packed", None)  # a new batch
+            return base.pack_commands(self, commands)
+
+        async def send_packed_command(self: Any, *args: Any, **kwargs: Any) -> Any:
+            # The sinks wait for the replies from when the commands are sent: replies read
+            # before (a connection's handshake, a health check) are not theirs.
+            packed = self.__dict__.pop("_kvferry_packed", None)
+            await base.send_packed_command(self, *args, **kwargs)
+            if packed:
+                self._kvferry_sinks = packed
+
+        async def disconnect(self: Any, *args: Any, **kwargs: Any) -> Any:
+            self.__dict__.pop("_kvferry_packed", None)
+            self.__dict__.pop("_kvferry_sinks", None)
+            return await base.disconnect(self, *args, **kwargs)
+
+        async def read_response(self: Any, *args: Any, **kwargs: Any) -> Any:
+            sinks = self.__dict__.get("_kvferry_sinks")
+            if not sinks:
+                return await base.read_response(self, *args, **kwargs)
+            sink = sinks.popleft()
+            buffered = getattr(getattr(self._parser, "_reader", None), "has_data", None)
+            stream = self._reader
+            if buffered is None or buffered() or stream is None:
+                return sink(await base.read_response(self, *args, **kwargs))
+            # No timeout of its own: only RedisStore.read sends such GETs, inside its
+            # operation's (which cancels the read, and so disconnects, when it passes).
+            try:
+                line = await stream.readline()
+                if line[:1] == b"$" and line[-2:] == b"\r\n":
+                    n = int(line[1:-2])
+                    return sink(None) if n < 0 else await sink.stream_in(stream, n)
+                if line == b"_\r\n":  # RESP3's null
+                    return sink(None)
+            except (OSError, EOFError) as exc:  # EOFError: asyncio's IncompleteReadError
+                await self.disconnect(nowait=True)
+                raise RedisConnectionError(f"Error while reading from the server: {exc}") from exc
+            except BaseException:
+                await self.disconnect(nowait=True)
+                raise
+            if line[:1] == b"-" and line[-2:] == b"\r\n":
+                raise self._parser.parse_error(line[1:-2].decode(errors="replace"))
+            await self.disconnect(nowait=True)
+            raise RedisConnectionError(f"unexpected reply to a GET: {line[:32]!r}")
+
+        joining = type(
+            f"Joining{base.__name__}",
+            (base,),
+            {
+                "pack_command": pack_command,
+                "pack_commands": pack_commands,
+                "send_packed_command": send_packed_command,
+                "disconnect": disconnect,
+                "read_response": read_response,
+            },
+        )
         _JOINING[base] = joining
     return joining
 
@@ -300,8 +511,9 @@ class RedisStore:
         self._log = get_logger("kvferry.tiers", tier=tier_index, redis=self.url)
         self._logged: set[str] = set()
         self.joins_values = False
-        """Whether writes send each value as its header and a view of its payload (every
-        connection of the client packs :class:`_Joined` values), not a copy of both."""
+        """Whether the client's connections are the store's own (:func:`_make_joining`):
+        writes then send each value as its header and a view of its payload, not a copy
+        of both, and reads stream each reply into its slot."""
         self._client = self._make_client(urls, parsed, max_connections)
         self._counts: dict[str, int] = dict.fromkeys(
             (
@@ -481,7 +693,9 @@ class RedisStore:
         if buf is not None and len(self._free) < _FREE_BUFFERS:
             self._free.append(buf)
 
-    def _decode_into(self, key: bytes, rkey: bytes, value: bytes, into: memoryview) -> None:
+    def _decode_into(
+        self, key: bytes, rkey: bytes, value: bytes | memoryview, into: memoryview
+    ) -> None:
         """Verify ``value`` as ``key``'s chunk and copy its payload into ``into``, or
         raise :class:`ChunkCorrupt` (field ``"auth"``: it did not decrypt)."""
         if self._aead is not None:
@@ -490,7 +704,7 @@ class RedisStore:
             if len(value) < _NONCE_BYTES + _TAG_BYTES:
                 raise ChunkCorrupt("length", f"sealed value of {len(value)} bytes")
             try:
-                value = self._aead.decrypt(value[:_NONCE_BYTES], value[_NONCE_BYTES:], rkey)
+                value = self._aead.decrypt(bytes(value[:_NONCE_BYTES]), value[_NONCE_BYTES:], rkey)
             except InvalidTag:
                 raise _AuthFailed() from None
         n = len(into)
@@ -650,22 +864,37 @@ class RedisStore:
         start = time.perf_counter()
         views = [_byte_view(b, writable=True) for b in into]
         rkeys = [self.redis_key(k) for k in keys]
-        replies = await self._pipeline("read", [("GET", rk) for rk in rkeys], timeout_s)
+        sink = _Sink(self, keys, rkeys, views)
+        try:
+            gets: list[tuple[Any, ...]]
+            if self.joins_values:  # the store's connections stream each reply into its slot
+                gets = [("GET", _into(rk, sink.take(i))) for i, rk in enumerate(rkeys)]
+            else:
+                gets = [("GET", rk) for rk in rkeys]
+            replies = await self._pipeline("read", gets, timeout_s)
+        finally:
+            sink.open = False
         outcomes = np.full(len(keys), Outcome.OK, dtype=np.int8)
         if isinstance(replies, Outcome):
             outcomes[:] = replies
             return outcomes
         corrupt: list[bytes] = []
         for i, value in enumerate(replies):
+            if value is _VERIFIED:
+                self._counts["reads"] += 1
+                self._counts["bytes_read"] += len(views[i])
+                continue
             if value is None:
                 outcomes[i] = Outcome.ABSENT
                 self._counts["absent"] += 1
                 continue
-            if isinstance(value, Exception) or not isinstance(value, bytes):
+            if not isinstance(value, (bytes, _Rejected)):  # an error reply
                 outcomes[i] = Outcome.IO_ERROR
                 self._log_once("read:reply", "redis_read_failed", error=self._scrub(str(value)))
                 continue
             try:
+                if isinstance(value, _Rejected):  # found as it was read
+                    raise value.error
                 self._decode_into(keys[i], rkeys[i], value, views[i])
             except ChunkCorrupt as exc:
                 field = "auth" if isinstance(exc, _AuthFailed) else exc.field

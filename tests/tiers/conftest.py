@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -8,6 +9,7 @@ import numpy.typing as npt
 import pytest
 
 from kvferry.tiers import DiskStore, Fingerprint
+from kvferry.tiers import _redis as redis_module
 
 from .redis_servers import RedisServer
 
@@ -47,3 +49,17 @@ def redis_url(redis_server: RedisServer) -> str:
     """The module's server, emptied."""
     redis_server.cli("flushall")
     return redis_server.url
+
+
+@pytest.fixture
+def streamed(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """The length of each reply a RedisStore streamed into its slot, in order."""
+    calls: list[int] = []
+    stream_in = redis_module._Target.stream_in
+
+    async def counted(self: Any, stream: Any, n: int) -> Any:
+        calls.append(n)
+        return await stream_in(self, stream, n)
+
+    monkeypatch.setattr(redis_module._Target, "stream_in", counted)
+    yield calls

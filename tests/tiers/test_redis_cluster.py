@@ -43,7 +43,9 @@ async def open_store(cluster: RedisClusterProcs, **kwargs: object) -> RedisStore
 
 
 @pytest.mark.anyio
-async def test_chunks_round_trip_across_every_node(cluster: RedisClusterProcs) -> None:
+async def test_chunks_round_trip_across_every_node(
+    cluster: RedisClusterProcs, streamed: list[int]
+) -> None:
     store = await open_store(cluster)
     try:
         keys = [key(i) for i in range(24)]
@@ -62,6 +64,7 @@ async def test_chunks_round_trip_across_every_node(cluster: RedisClusterProcs) -
         found = store.client.get_nodes()
         assert len(found) == 3
         assert {type(c).__name__ for n in found for c in n._connections} == {"JoiningConnection"}
+        assert len(streamed) == 24  # and every reply was read straight into its slot
         assert (await store.exists(keys)).all()
         assert await store.delete(keys) == 24
     finally:
