@@ -23,47 +23,6 @@ from ..cache import DirectoryStatistics
 from ._disk_tier import DiskTier
 from ._redis_tier import RedisTier, RedisTierStatistics
 
-COUNTS: tuple[str, ...] = (
-    "tokens_looked_up",
-    "tokens_hit",
-    "tokens_missed",
-    "tokens_loaded",
-    "tokens_stored",
-    "loads_done",
-    "loads_failed",
-    "stores_done",
-    "stores_failed",
-    "stores_fenced",
-    "lookups_deferred",
-    "load_bytes",
-    "store_bytes",
-    "load_seconds",
-    "store_seconds",
-    "disk_tokens_hit",
-    "disk_read_bytes",
-    "disk_read_seconds",
-    "disk_write_bytes",
-    "disk_write_seconds",
-    "disk_chunks_written",
-    "disk_chunks_corrupt",
-    "disk_reads_failed",
-    "disk_writes_failed",
-    "disk_hits_cut",
-    "host_blocks_demoted",
-    "redis_tokens_hit",
-    "redis_read_bytes",
-    "redis_read_seconds",
-    "redis_write_bytes",
-    "redis_write_seconds",
-    "redis_chunks_written",
-    "redis_chunks_corrupt",
-    "redis_reads_failed",
-    "redis_writes_failed",
-    "redis_hits_cut",
-    "redis_chunks_kept_on_disk",
-)
-"""The scheduler side's counters (``SchedulerSide._c``), all from 0."""
-
 
 @attrs.frozen(kw_only=True)
 class SchedulerStatistics:
@@ -118,6 +77,15 @@ class SchedulerStatistics:
     """The disk tier's directory (None without a disk tier)."""
     redis: RedisTierStatistics | None = None
     """The Redis tier's existence checks (None without a Redis tier)."""
+
+
+COUNTS: tuple[str, ...] = tuple(
+    f.name
+    for f in attrs.fields(SchedulerStatistics)
+    if f.name not in ("jobs_in_flight", "directory", "disk", "redis")
+)
+"""The scheduler side's counters (``SchedulerSide._c``, all from 0): every field of
+:class:`SchedulerStatistics` but the gauges and the tiers' own statistics."""
 
 
 class Report:
