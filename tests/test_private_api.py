@@ -177,6 +177,14 @@ def log_once(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_private_api, "_logged", set())
 
 
+def only_public(monkeypatch: pytest.MonkeyPatch, public: bool) -> None:
+    """``KVFERRY_PUBLIC_API_ONLY`` set (``public``) or not, for one test."""
+    if public:
+        monkeypatch.setenv(_private_api.PUBLIC_ONLY_ENV, "1")
+    else:
+        monkeypatch.delenv(_private_api.PUBLIC_ONLY_ENV, raising=False)
+
+
 class _Unlike(asyncio.SelectorEventLoop):
     """A loop whose internals differ from what the probe needs (another CPython)."""
 
@@ -199,10 +207,7 @@ def test_the_loop_stepper_steps_on_the_path_its_probe_chose(
     caplog: pytest.LogCaptureFixture,
     log_once: None,
 ) -> None:
-    if public:
-        monkeypatch.setenv(_private_api.PUBLIC_ONLY_ENV, "1")
-    else:
-        monkeypatch.delenv(_private_api.PUBLIC_ONLY_ENV, raising=False)
+    only_public(monkeypatch, public)
     loop = loop_factory()
     try:
         with caplog.at_level(logging.INFO, logger="kvferry"):
@@ -247,10 +252,7 @@ def _running_loop_here() -> bool:
 def test_the_ask_event_and_log_key_shortcuts_fall_back_to_anyio_and_structlog(
     public: bool, monkeypatch: pytest.MonkeyPatch, log_once: None
 ) -> None:
-    if public:
-        monkeypatch.setenv(_private_api.PUBLIC_ONLY_ENV, "1")
-    else:
-        monkeypatch.delenv(_private_api.PUBLIC_ONLY_ENV, raising=False)
+    only_public(monkeypatch, public)
 
     async def main() -> None:
         new_event = _private_api.event_factory()
@@ -276,3 +278,25 @@ def test_an_engine_is_shut_down_through_its_engine_core_where_it_has_one(log_onc
     llm = types.SimpleNamespace(llm_engine=types.SimpleNamespace(engine_core=core))
     assert _private_api.shutdown_engine_core(llm) and calls == ["shutdown"]
     assert not _private_api.shutdown_engine_core(types.SimpleNamespace(llm_engine=None))
+
+
+@pytest.mark.parametrize("public", [False, True])
+def test_the_redis_reply_stream_falls_back_to_the_parser(
+    public: bool,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    log_once: None,
+) -> None:
+    from redis.asyncio.connection import Connection
+
+    only_public(monkeypatch, public)
+    with caplog.at_level(logging.INFO, logger="kvferry"):
+        assert _private_api.redis_streams_replies() is not public
+        _private_api.redis_streams_replies()
+    logged = [r.getMessage() for r in caplog.records if "private_api_path" in r.getMessage()]
+    assert len(logged) == 1  # once
+    assert f"path='{'parser' if public else 'stream'}'" in logged[0]
+    conn = Connection()
+    assert _private_api.reply_stream(conn) is None  # not connected: the parser reads
+    error = _private_api.reply_error(conn, "WRONGTYPE Operation against a key")
+    assert type(error).__name__ == "ResponseError" and "WRONGTYPE" in str(error)

@@ -22,8 +22,11 @@ under another key or with another key) is corrupt (field ``"auth"``).
 A read's replies go straight from the connection into their slots as they arrive (the
 same connections read the replies to GETs of :class:`_Into` keys themselves), the
 payload hashed piece by piece while it is in the CPU's cache, with no bytes object of
-the whole value made; a sealed value, or one on a connection whose parser is not
-hiredis, is read whole by the parser first.
+the whole value made (through a connection's stream and parser: a private use of
+redis-py, probed in :mod:`kvferry._private_api`); a sealed value, one on a connection
+whose parser is not hiredis, or every value on the public path, is read whole by the
+parser first.
+
 Every read verifies the header (magic, version, header checksum, fingerprint, key,
 length) and the payload's xxh3 checksum. A value that fails is a miss, counted by the
 check that failed, logged once per check, and deleted. Failures are misses, never errors
@@ -55,6 +58,7 @@ import xxhash
 
 from .._errors import ConfigError
 from .._logging import get_logger
+from .._private_api import redis_streams_replies, reply_error, reply_stream
 from ._breaker import BreakerStatistics, CircuitBreaker
 from ._disk import BufferLike, Outcome, _byte_view
 from ._format import (
@@ -376,9 +380,8 @@ def _joining_connection(base: type[Any]) -> type[Any]:
             if not sinks:
                 return await base.read_response(self, *args, **kwargs)
             sink = sinks.popleft()
-            buffered = getattr(getattr(self._parser, "_reader", None), "has_data", None)
-            stream = self._reader
-            if buffered is None or buffered() or stream is None:
+            stream = reply_stream(self)
+            if stream is None:
                 return sink(await base.read_response(self, *args, **kwargs))
             # No timeout of its own: only RedisStore.read sends such GETs, inside its
             # operation's (which cancels the read, and so disconnects, when it passes).
@@ -396,7 +399,7 @@ def _joining_connection(base: type[Any]) -> type[Any]:
                 await self.disconnect(nowait=True)
                 raise
             if line[:1] == b"-" and line[-2:] == b"\r\n":
-                raise self._parser.parse_error(line[1:-2].decode(errors="replace"))
+                raise reply_error(self, line[1:-2].decode(errors="replace"))
             await self.disconnect(nowait=True)
             raise RedisConnectionError(f"unexpected reply to a GET: {line[:32]!r}")
 
@@ -511,9 +514,12 @@ class RedisStore:
         self._log = get_logger("kvferry.tiers", tier=tier_index, redis=self.url)
         self._logged: set[str] = set()
         self.joins_values = False
-        """Whether the client's connections are the store's own (:func:`_make_joining`):
-        writes then send each value as its header and a view of its payload, not a copy
-        of both, and reads stream each reply into its slot."""
+        """Whether writes send each value as its header and a view of its payload (every
+        connection of the client packs :class:`_Joined` values), not a copy of both."""
+        self.streams_reads = False
+        """Whether reads take each reply from the connection's stream into its slot (the
+        store's own connections, and redis-py as :func:`redis_streams_replies` probed);
+        else the parser reads each reply whole, and it is verified and copied after."""
         self._client = self._make_client(urls, parsed, max_connections)
         self._counts: dict[str, int] = dict.fromkeys(
             (
@@ -577,6 +583,7 @@ class RedisStore:
         except (ValueError, TypeError) as exc:
             raise ConfigError(self.config_key, f"{self.url}: {self._scrub(exc)}") from None
         self.joins_values = _make_joining(client)
+        self.streams_reads = self.joins_values and redis_streams_replies()
         return client
 
     async def connect(self) -> None:
@@ -867,7 +874,7 @@ class RedisStore:
         sink = _Sink(self, keys, rkeys, views)
         try:
             gets: list[tuple[Any, ...]]
-            if self.joins_values:  # the store's connections stream each reply into its slot
+            if self.streams_reads:
                 gets = [("GET", _into(rk, sink.take(i))) for i, rk in enumerate(rkeys)]
             else:
                 gets = [("GET", rk) for rk in rkeys]

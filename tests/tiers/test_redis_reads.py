@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from anyio.abc import SocketAttribute
 
+from kvferry._private_api import PUBLIC_ONLY_ENV
 from kvferry.tiers import Outcome, RedisStore
 
 from .conftest import FP, key, payload
@@ -24,20 +25,26 @@ SIZES = [1, 4096, 256 << 10, 3 * 4096 + 100, 1 << 20]
 
 
 async def open_store(url: str, way: str, **kwargs: Any) -> RedisStore:
-    """A store whose reads take ``way``: "streamed" (hiredis, as made) or "parsed" (the
-    pure-Python parser, which keeps bytes of its own: every reply is parsed first)."""
+    """A store whose reads take ``way``: "streamed" (hiredis, as made), "parsed" (the
+    pure-Python parser, which keeps bytes of its own: every reply is parsed first), or
+    "public" (the store's reads send plain GETs)."""
     kwargs.setdefault("fingerprint", FP)
     store = RedisStore(url=url, **kwargs)
     if way == "parsed":
         from redis._parsers import _AsyncRESP2Parser
 
         store.client.connection_pool.connection_kwargs["parser_class"] = _AsyncRESP2Parser
+    assert store.streams_reads == (way != "public")
     await store.connect()
     return store
 
 
-@pytest.fixture(params=["streamed", "parsed"])
-def way(request: pytest.FixtureRequest) -> str:
+@pytest.fixture(params=["streamed", "parsed", "public"])
+def way(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """ "public": ``KVFERRY_PUBLIC_API_ONLY=1``, where the store reads through the parser
+    (its reads never touch the connection's stream: kvferry/_private_api.py)."""
+    if request.param == "public":
+        monkeypatch.setenv(PUBLIC_ONLY_ENV, "1")
     return str(request.param)
 
 
