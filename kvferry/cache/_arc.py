@@ -8,8 +8,9 @@ short), down after a B2 hit. As in vLLM's ``ARCCachePolicy``: a store enters T1;
 end while ``|T1| >= p``, else T2's; each ghost list is bounded by the capacity.
 
 Differences from vLLM's, by design: store misses are learnt from in a batch at the next
-eviction (same order, same adaptation, just later — ``p`` only matters when evicting), and
-a block still being stored is not counted in T1 (vLLM's T1 holds pending stores too).
+eviction (same order, same adaptation, just later — ``p`` only matters when evicting; the
+directory hashes their keys then too, ``tags_in_batches``), and a block still being stored
+is not counted in T1 (vLLM's T1 holds pending stores too).
 Admissions, reuses and touches are recorded and replayed in one pass before a decision
 (:mod:`~kvferry.cache._recency`).
 
@@ -19,6 +20,7 @@ Who owns what: owned by one directory; see :mod:`kvferry.cache._policy`.
 from __future__ import annotations
 
 import numpy as np
+import numpy.typing as npt
 
 from ._policy import I64
 from ._recency import Evictable, RecencyLists
@@ -26,6 +28,11 @@ from ._table import GhostQueue
 
 _T1, _T2 = 1, 2
 _EMPTY = np.zeros(0, np.int64)
+
+
+def _sum_from(start: float, steps: npt.NDArray[np.float64]) -> float:
+    """``start + steps[0] + steps[1] + ...``, added in that order (as a loop would)."""
+    return float(np.add.accumulate(np.concatenate(([start], steps)))[-1])
 
 
 class ARCPolicy:
@@ -37,6 +44,8 @@ class ARCPolicy:
     """
 
     name = "arc"
+    tags_in_batches = True
+    """Tags are read only at an eviction (ghosts): the directory hashes keys then."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -76,20 +85,29 @@ class ARCPolicy:
         # A hit leaves its ghost list (the key is being stored again).
         in1 = self._b1.discard(tags)
         in2 = self._b2.discard(tags) & ~in1
-        hits = np.flatnonzero(in1 | in2)
-        if not len(hits):
+        k1, k2 = int(np.count_nonzero(in1)), int(np.count_nonzero(in2))
+        if not (k1 or k2):
             return
-        for is_b1 in in1[hits].tolist():
-            # The ghost lists shrink hit by hit, in the order the misses came.
-            if is_b1 and b1:
-                p = min(p + max(1.0, b2 / b1), float(self.capacity))
-                b1 -= 1
-            elif b2:
-                p = max(p - max(1.0, b1 / b2), 0.0)
-                b2 -= 1
+        # The ghost lists shrink hit by hit, in the order the misses came. Hits of one list
+        # alone (the rule: every step moves ``p`` the same way, then clamps it) are summed
+        # in one pass, in that order (a cumulative sum adds in sequence: the same floats).
+        if not k2 and k1 <= b1:
+            steps = np.maximum(1.0, b2 / (b1 - np.arange(k1)))
+            p = min(_sum_from(p, steps), float(self.capacity))
+        elif not k1 and k2 <= b2:
+            steps = np.maximum(1.0, b1 / (b2 - np.arange(k2)))
+            p = max(_sum_from(p, -steps), 0.0)
+        else:
+            for is_b1 in in1[np.flatnonzero(in1 | in2)].tolist():
+                if is_b1 and b1:
+                    p = min(p + max(1.0, b2 / b1), float(self.capacity))
+                    b1 -= 1
+                elif b2:
+                    p = max(p - max(1.0, b1 / b2), 0.0)
+                    b2 -= 1
         self.p = p
-        self._c["ghost_hits_b1"] += int(in1.sum())
-        self._c["ghost_hits_b2"] += int(in2.sum())
+        self._c["ghost_hits_b1"] += k1
+        self._c["ghost_hits_b2"] += k2
 
     def victims(self, n: int, evictable: Evictable, tags: I64) -> I64:
         self._learn()

@@ -43,6 +43,7 @@ owns one, and tests and benchmarks drive one directly.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
 
 import numpy as np
 import numpy.typing as npt
@@ -63,6 +64,9 @@ FREE, STORING, READY, STORING_DROPPED, READY_DROPPED, DEMOTING = 0, 1, 2, 3, 4, 
 Key = bytes
 
 _NO_TAGS = np.zeros(0, np.int64)
+
+_MAX_UNTAGGED = 1 << 16
+"""Stored keys hashed at the latest after this many (``tags_in_batches``)."""
 
 _SMALL = 48
 """Up to this many slots, a check over them loops in Python: cheaper than numpy's calls
@@ -136,6 +140,19 @@ class Directory:
         # Tags (hash of the key) only for a policy that keeps history of evicted keys.
         self._uses_tags = bool(getattr(self.policy, "uses_tags", True))
         self._tag = np.zeros(num_slots if self._uses_tags else 0, np.int64)
+        # A policy that takes its tags in batches (ARC): a store's keys are hashed at the
+        # next eviction, with every store's since (one numpy pass instead of a few calls
+        # per store; the admission filter needs its tags at once).
+        self._batch_tags = (
+            self._uses_tags
+            and self._admission is None
+            and bool(getattr(self.policy, "tags_in_batches", False))
+        )
+        self._untagged: list[Sequence[Key]] = []  # stored keys not yet hashed, per store
+        # Their slots: views of the free stack, which only _release writes, and it hashes
+        # them first.
+        self._untagged_slots: list[npt.NDArray[np.int32]] = []
+        self._untagged_len = 0
         self._free = np.arange(num_slots - 1, -1, -1, dtype=np.int32)  # a stack, top last
         self._num_free = num_slots
         self._events: list[KVEvent] | None = [] if events else None
@@ -314,7 +331,11 @@ class Directory:
         new_keys = list(keys) if len(idx) == k else [keys[i] for i in idx]
         if not new_keys:
             return np.full(k, -1, np.int64)
-        tags = tags_of(new_keys) if self._uses_tags or self._admission is not None else None
+        tags = (
+            tags_of(new_keys)
+            if (self._uses_tags and not self._batch_tags) or self._admission is not None
+            else None
+        )
         if admit and self._admission is not None and tags is not None:
             admitted = self._admission.offer(tags)
             keep = admitted.tolist()
@@ -323,6 +344,13 @@ class Directory:
             tags = tags[admitted]
         need = len(new_keys)
         if self._uses_tags and tags is not None:
+            self.policy.store_miss(tags)
+        # With ``tags_in_batches``, the keys wait to be hashed at the next eviction; one in
+        # this call hashes them now, so that the policy learns of these misses first.
+        later = self._batch_tags and need <= self._num_free
+        if self._batch_tags and not later:
+            self._tag_stores()
+            tags = tags_of(new_keys)
             self.policy.store_miss(tags)
         if need > self._num_free:
             # DEMOTING slots are on their way out (write_back): not evicted twice.
@@ -342,7 +370,13 @@ class Directory:
         self._num_free = top - m
         self._index_keys(new_keys if m == need else new_keys[:m], new)
         self._state[new] = STORING
-        if self._uses_tags and tags is not None:
+        if later:
+            self._untagged.append(new_keys)
+            self._untagged_slots.append(new)
+            self._untagged_len += m
+            if self._untagged_len > _MAX_UNTAGGED:
+                self._tag_stores()
+        elif self._uses_tags and tags is not None:
             self._tag[new] = tags[:m]
         self.stores_prepared += m
         if m == k:
@@ -388,7 +422,8 @@ class Directory:
             pinned = np.asarray(pin, np.int64)
             if len(pinned):
                 np.add.at(self._pins, pinned[np.isin(pinned, arr)], 1)  # a slot twice: 2 pins
-            self.policy.admit(arr, self._tag[arr] if self._uses_tags else _NO_TAGS)
+            tags = self._tag[arr] if self._uses_tags and not self._batch_tags else _NO_TAGS
+            self.policy.admit(arr, tags)
             self.stores_completed += len(arr)
             if self._events is not None and len(arr):
                 self._events.append(
@@ -398,6 +433,21 @@ class Directory:
             self._unindex(arr.tolist())
             self._release(arr)
             self.stores_failed += len(arr)
+
+    def _tag_stores(self) -> None:
+        """Hash the keys stored since the last call (``tags_in_batches``): their slots'
+        tags, and the policy's store misses, in the order the stores came."""
+        if not self._untagged:
+            return
+        keys = (
+            self._untagged[0] if len(self._untagged) == 1 else chain.from_iterable(self._untagged)
+        )
+        slots = np.concatenate(self._untagged_slots)
+        self._untagged, self._untagged_slots, self._untagged_len = [], [], 0
+        tags = np.fromiter(map(hash, keys), np.int64, len(slots))
+        tags |= 1  # as tags_of
+        self._tag[slots] = tags
+        self.policy.store_miss(tags)
 
     def _keys_of(self, slots: list[int] | I64) -> list[Key]:
         arr = np.asarray(slots, np.int64)
@@ -439,6 +489,7 @@ class Directory:
             return []
         arr = np.array(sorted(set(slots)), np.int64)
         gone = self._keys_of(arr.tolist())
+        self._tag_stores()
         self.policy.forget(arr)
         if self._events is not None:
             self._events.append(BlocksRemoved(keys=gone, medium=self.medium))
@@ -481,6 +532,7 @@ class Directory:
         if protect is not None:
             self._pins[protect] += 1  # a repeated slot is counted once, and given back once
         try:
+            self._tag_stores()
             victims = np.asarray(self.policy.victims(n, self._evictable, self._tag), np.int64)
             m = len(victims)
             good = m <= n
@@ -579,6 +631,8 @@ class Directory:
         _log.error("invariant_broken", invariant=invariant, error=str(error), **context)
 
     def _release(self, slots: I64) -> None:
+        if self._untagged:  # a slot freed now may be taken again: its tag is written first
+            self._tag_stores()
         self._state[slots] = FREE
         self._pins[slots] = 0
         m = len(slots)
@@ -590,6 +644,7 @@ class Directory:
         slots = np.flatnonzero((self._state[:-1] == READY) & (self._pins[:-1] == 0))
         keys = self._keys_of(slots.tolist())
         if len(slots):
+            self._tag_stores()
             self.policy.forget(slots)
             self._unindex(slots.tolist())
             self._release(slots)

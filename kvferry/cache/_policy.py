@@ -45,7 +45,12 @@ class EvictionPolicy(Protocol):
     recency should rank the head as the most recent, so a prefix loses its tail first.
     Tags are 64-bit fingerprints of the keys (stable within the process), for history of
     keys no longer resident (ghosts); a policy that sets ``uses_tags = False`` gets empty
-    tag arrays and saves the directory the hashing.
+    tag arrays and saves the directory the hashing. A policy that sets
+    ``tags_in_batches = True`` reads tags only in :meth:`victims` and :meth:`store_miss`:
+    it gets empty tags in :meth:`admit`, and its store misses in batches (several stores'
+    in one call, in their order, always before the next :meth:`victims`, :meth:`forget`
+    or :meth:`clear`), which saves the directory hashing each store's keys on its own
+    (unless a ``store_threshold`` needs them at once).
     """
 
     name: str

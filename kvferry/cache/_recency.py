@@ -116,8 +116,9 @@ class RecencyLists:
             return
         pending, codes = self._pending, self._codes
         self._pending, self._codes, self._pending_len = [], [], 0
-        # Time order: batches in order, each reversed (its head is its newest entry).
-        cat = np.concatenate([s[::-1] for s in pending]).astype(np.int64, copy=False)
+        # Time order: batches in order, each reversed (its head is its newest entry): the
+        # batches joined last first, read backwards (one view, not one a batch).
+        cat = np.concatenate(pending[::-1])[::-1].astype(np.int64, copy=False)
         code = np.repeat(np.asarray(codes, np.int64), [len(s) for s in pending])
         member = self.member
         # Each slot's last entry decides its place; the lists it went through on the way

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvferry import ConfigError
-from kvferry.cache import ARCPolicy, Directory, LRUPolicy, S3FIFOPolicy, make_policy
+from kvferry.cache import ARCPolicy, BlocksRemoved, Directory, LRUPolicy, S3FIFOPolicy, make_policy
 from kvferry.cache._recency import RecencyLists
 from kvferry.cache._testing import key as k
 
@@ -201,3 +201,80 @@ def test_lru_victims_are_the_same_in_either_order(order: str) -> None:
     assert lru.order().tolist() == [0, 2, 1, 3, 4]
     assert lru.victims(2, evictable_except(0), np.zeros(0, np.int64)).tolist() == [2, 1]
     assert lru.order().tolist() == [0, 3, 4]
+
+
+class _EagerARC(ARCPolicy):
+    """ARC given each store's tags at once, as a policy without ``tags_in_batches``."""
+
+    tags_in_batches = False
+
+
+def _arc_run(policy: ARCPolicy, watermarks: tuple[float, float]) -> tuple[list[bytes], dict]:
+    """A seeded run (requests in flight, failed stores, discards, evictor passes, a reset)
+    through an ARC directory: the keys it evicted, in order, and its policy's gauges."""
+    rng = np.random.default_rng(7)
+    d = Directory(60, policy=policy, watermarks=watermarks, events=True)
+    inflight = []
+    for step in range(600):
+        keys = [k(int(i)) for i in rng.zipf(1.3, int(rng.integers(1, 9))) % 300]
+        n = d.lookup(keys)
+        load = d.prepare_load(keys[:n]) if n else None
+        inflight.append((keys, load, d.prepare_store(keys[n:])))
+        if len(inflight) > 4:
+            keys, load, slots = inflight.pop(0)
+            if load is not None:
+                d.complete_load(load)
+            slots = slots[slots >= 0]
+            d.complete_store(slots, ok=bool(rng.random() > 0.1))
+            d.touch(keys)
+        if step % 97 == 0:
+            d.discard([k(int(i)) for i in rng.integers(0, 300, 5)])
+        if step == 400:
+            d.reset()
+        d.evict()
+    evicted = [key for e in d.take_events() if isinstance(e, BlocksRemoved) for key in e.keys]
+    return evicted, d.statistics().policy_stats
+
+
+@pytest.mark.parametrize("watermarks", [(1.0, 1.0), (0.8, 0.9)])
+def test_arc_learns_the_same_from_tags_in_batches(watermarks: tuple[float, float]) -> None:
+    batched, eager = ARCPolicy(60), _EagerARC(60)
+    got, stats = _arc_run(batched, watermarks)
+    want, want_stats = _arc_run(eager, watermarks)
+    assert got == want
+    assert stats == want_stats
+    assert stats["ghost_hits_b1"] > 0 and stats["ghost_hits_b2"] > 0
+
+
+def _adapt(p: float, capacity: int, b1: int, b2: int, in_b1: list[bool]) -> float:
+    """vLLM's ARC adaptation, hit by hit."""
+    for is_b1 in in_b1:
+        if is_b1 and b1:
+            p = min(p + max(1.0, b2 / b1), float(capacity))
+            b1 -= 1
+        elif b2:
+            p = max(p - max(1.0, b1 / b2), 0.0)
+            b2 -= 1
+    return p
+
+
+@pytest.mark.parametrize("case", ["b1", "b2", "both", "capped", "floored"])
+def test_arc_adapts_its_target_as_vllm_does_hit_by_hit(case: str) -> None:
+    rng = np.random.default_rng(3)
+    arc = ARCPolicy(1000)
+    b1 = rng.integers(1, 2**62, 700) | 1
+    b2 = rng.integers(1, 2**62, 300) | 1
+    arc._b1.push(b1)
+    arc._b2.push(b2)
+    arc.p = {"capped": 990.0, "floored": 3.0}.get(case, 333.3)
+    fresh = rng.integers(1, 2**62, 50) | 1
+    hits = {"b1": [b1[:40]], "b2": [b2[:40]], "capped": [b1[:40]], "floored": [b2[:40]]}
+    chosen = hits.get(case, [b1[:30], b2[:30]])
+    tags = rng.permutation(np.concatenate([fresh, *chosen]))
+    in_b1 = [bool(t) for t in np.isin(tags, b1)]
+    in_b1 = [i for i, t in zip(in_b1, tags, strict=True) if i or t in set(b2.tolist())]
+    want = _adapt(arc.p, 1000, 700, 300, in_b1)
+    arc.store_miss(tags)
+    arc._learn()
+    assert arc.p == want
+    assert len(arc._b1) + len(arc._b2) == 1000 - sum(len(c) for c in chosen)
