@@ -102,6 +102,7 @@ class LoopStepper:
                 and None not in hooks
                 and hasattr(loop, "_thread_id")
                 and callable(getattr(asyncio, "_set_running_loop", None))
+                and callable(getattr(asyncio, "_get_running_loop", None))
             )
             if usable:
                 self._run_once, self._hooks = run_once, hooks
@@ -149,7 +150,7 @@ class LoopStepper:
     def run_now(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` on this thread as if inside an iteration (the loop is the running
         loop meanwhile: anyio finds its backend, futures their loop), between iterations."""
-        if _loop_running_here():
+        if asyncio._get_running_loop() is not None:  # raises nothing when none runs
             raise RuntimeError("SteppedRuntime cannot be driven from inside a running loop")
         asyncio._set_running_loop(self.loop)
         try:

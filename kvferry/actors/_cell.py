@@ -222,8 +222,8 @@ class _Cell(Generic[M]):
         """Handle ``msg`` on the calling thread, as the task would have (counters, log
         keys, hop scope, an ask's error to its asker); only after :meth:`can_handle_now`
         said yes, and outside any turn of a task of the loop (the stepped runtime between
-        iterations, or a callback on the loop's thread). A tell whose handler raised is
-        queued as :class:`_Failed`."""
+        iterations, or a callback on the loop's thread). A tell whose handler raised, or
+        an ask whose handler raised after answering, is queued as :class:`_Failed`."""
         context = self._context
         if context is None:
             raise RuntimeError(f"actor {self.name} has not started")
@@ -232,9 +232,11 @@ class _Cell(Generic[M]):
         except Exception as exc:
             self.handled += 1
             self.failures += 1
-            if reply is not None:
-                reply.fail(exc)
+            if reply is not None and not reply._done:
+                reply.fail(exc)  # an error while answering goes back to the asker
                 return
+            # A tell, or an ask answered before its handler raised: supervised, as the
+            # task supervises them.
             try:
                 self.mailbox.send_nowait((_Failed(msg, exc), None, None))  # type: ignore[arg-type]
             except (anyio.WouldBlock, anyio.ClosedResourceError):

@@ -24,12 +24,13 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
-from ._base import ActorRef, Envelope, Reply
+from ._base import ActorRef, Envelope, MakeAsk, Reply
 from ._context import HopScope, capture
 from ._system import ActorSystem, ShutdownReport
 
 T = TypeVar("T")
 S = TypeVar("S")
+M = TypeVar("M")
 
 Setup = Callable[[ActorSystem], Awaitable[S]]
 """Runs once in the new system (spawn the actors); its result is what ``start`` returns."""
@@ -44,6 +45,14 @@ class SyncRuntime(Protocol):
     def start(self, setup: Setup[S]) -> S: ...
 
     def call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T: ...
+
+    def ask(self, ref: ActorRef[M], make: MakeAsk[T, M], *, timeout: float | None = None) -> T:
+        """``call(ref.ask, make)`` without the routing: what a caller on a hot path sends."""
+        ...
+
+    def tell(self, ref: ActorRef[M], msg: M) -> None:
+        """``call(ref.tell, msg)`` without the routing."""
+        ...
 
     def close(self) -> ShutdownReport: ...
 

@@ -145,8 +145,17 @@ class DirectoryActor(Actor[DirectoryMsg]):
                 Unpin() | LoadLeased() | CompleteLoad() | CompleteStore() | Touch() | EndDemotions()
             ):
                 self._apply(msg)
-            case Facts(facts=facts):
-                self._apply_all(facts)
+            case Facts(facts=facts, then=ask):
+                if ask is None:
+                    self._apply_all(facts)
+                else:
+                    try:
+                        self._apply_all(facts)
+                    except Exception:
+                        self.handle_now(ask)  # answered first, then supervised as a tell
+                        raise
+                    self.handle_now(ask)
+                    return  # its events were published with the ask's
             case PrepareLoad(keys=keys, release=release, reply=reply):
                 pinned = d.prepare_load(keys)
                 if len(release):

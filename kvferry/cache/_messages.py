@@ -220,11 +220,17 @@ Fact: TypeAlias = Unpin | LoadLeased | CompleteLoad | CompleteStore | Touch | En
 @attrs.frozen(kw_only=True)
 class Facts:
     """Tells the connector gathered since its last message to the directory, in order:
-    one message (one mailbox entry, one turn of the actor) instead of one each. The
-    connector sends it before its next ask, so the directory answers after all of them,
-    as if they had come one by one."""
+    one message (one mailbox entry, one turn of the actor) instead of one each, as if
+    they had come one by one.
+
+    ``then``: the ask the connector sends next, carried in the same message (asked with
+    its reply), so that the directory answers it after all of them. A fact that fails
+    does not stop the others nor the ask: once the ask is answered, the first failure is
+    supervised as a failed tell.
+    """
 
     facts: tuple[Fact, ...]
+    then: LookupAndPin | PrepareLoad | PrepareStore | None = attrs.field(default=None, repr=False)
 
 
 DirectoryMsg: TypeAlias = (

@@ -33,17 +33,19 @@ class Geometry:
     num_groups: int
     windows: tuple[int | None, ...]
     """Per group: None for full attention, else its sliding window in offloaded blocks."""
+    hybrid: bool = attrs.field(
+        init=False,
+        default=attrs.Factory(lambda self: any(w is not None for w in self.windows), True),
+    )
+    """Whether a group has a sliding window (read on every lookup: computed once)."""
+    chunk_tokens: int = attrs.field(
+        init=False,
+        default=attrs.Factory(lambda self: self.engine_block_size * self.blocks_per_chunk, True),
+    )
+    """Tokens of an offloaded block."""
     row_bytes: int
     """Bytes of one engine block of the largest group, on one worker."""
     num_slots: int
-
-    @property
-    def chunk_tokens(self) -> int:
-        return self.engine_block_size * self.blocks_per_chunk
-
-    @property
-    def hybrid(self) -> bool:
-        return any(w is not None for w in self.windows)
 
 
 def group_window(spec: Any, chunk_tokens: int, group: int) -> int | None:

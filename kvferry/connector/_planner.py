@@ -70,33 +70,47 @@ def plan_store(
     """
     G, bpc = geo.num_groups, geo.blocks_per_chunk
     parts = []
-    taken: list[tuple[int, bool, bytes]] = []
+    live: list[int] = []
+    live_keys: list[bytes] = []
+    dead: list[int] = []
     fenced: list[int] = []
-    for g in range(G):
-        dev_rows: list[int] = []
-        host_rows: list[int] = []
-        for i in range(slots.shape[0]):
-            slot = int(slots[i, g])
-            if slot < 0:
+    # Python ints throughout (a numpy scalar read per chunk cost more than the rest).
+    for g, col in enumerate(slots.T.tolist()):
+        ids = block_ids[g]
+        chosen = [i for i, s in enumerate(col) if s >= 0]
+        if not chosen:
+            continue
+        if bpc == 1:
+            dev_rows = [ids[first + i] for i in chosen]
+            if NULL_BLOCK not in dev_rows:  # the common case: every chunk is stored
+                host_rows = [col[i] for i in chosen]
+                live.extend(host_rows)
+                live_keys.extend([keys[i * G + g] for i in chosen])
+                parts.append(GroupBlocks(group=g, device_blocks=dev_rows, host_rows=host_rows))
+                if geo.windows[g] is not None:
+                    fenced.extend(dev_rows)
                 continue
+        dev_rows, host_rows = [], []
+        for i in chosen:
+            slot = col[i]
             c = first + i
-            dev = block_ids[g][c * bpc : (c + 1) * bpc]
+            dev = ids[c * bpc : (c + 1) * bpc]
             if NULL_BLOCK in dev:  # outside a sliding window: nothing to store
-                taken.append((slot, False, b""))
+                dead.append(slot)
                 continue
             dev_rows.extend(dev)
             host_rows.extend(range(slot * bpc, (slot + 1) * bpc))
-            taken.append((slot, True, keys[i * G + g]))
+            live.append(slot)
+            live_keys.append(keys[i * G + g])
         if dev_rows:
             parts.append(GroupBlocks(group=g, device_blocks=dev_rows, host_rows=host_rows))
             if geo.windows[g] is not None:
                 fenced.extend(dev_rows)
-    live = np.asarray([s for s, ok, _ in taken if ok], dtype=np.int64)
     return StorePlan(
         parts=tuple(parts),
-        slots=live,
-        keys=tuple(k for _, ok, k in taken if ok),
-        dead=[s for s, ok, _ in taken if not ok],
+        slots=np.array(live, dtype=np.int64),
+        keys=tuple(live_keys),
+        dead=dead,
         fenced=tuple(fenced),
         tokens=len(live) * geo.chunk_tokens // G if G else 0,
     )
@@ -149,6 +163,23 @@ def load_parts(
     in ``plan.wanted``'s order; engine block ``b`` pairs with host row
     ``slot * blocks_per_chunk + b % blocks_per_chunk``. Null blocks are left out."""
     G, bpc = geo.num_groups, geo.blocks_per_chunk
+    if not geo.hybrid:  # every group fills every chunk: no null block, no mask
+        slot_of = np.asarray(slots, np.int64).reshape(-1, G)
+        if bpc == 1:  # a chunk is a block: its host row is its slot
+            return tuple(
+                GroupBlocks(group=g, device_blocks=plan.device_blocks[g], host_rows=slot_of[:, g])
+                for g in range(G)
+            )
+        chunk = plan.blocks // bpc - plan.first_chunk
+        within = plan.blocks % bpc
+        return tuple(
+            GroupBlocks(
+                group=g,
+                device_blocks=plan.device_blocks[g],
+                host_rows=slot_of[chunk, g] * bpc + within,
+            )
+            for g in range(G)
+        )
     full = np.full(plan.wanted.size, -1, dtype=np.int64)
     full[plan.wanted.ravel()] = slots
     slot_of = full.reshape(-1, G)

@@ -117,6 +117,19 @@ class Report:
         self._gauges: dict[str, float] = {}
         # What the last report was built from (host tier only): the same again is no news.
         self._built_from: tuple[dict[str, Any], DirectoryStatistics | None] = ({}, None)
+        # (metric, counter) pairs, each name checked against the table once, here.
+        self._from_counts = _names(_HOST_COUNTS)
+        if disk is not None:
+            self._from_counts += _names(_DISK_COUNTS)
+        if redis is not None:
+            self._from_counts += _names(_REDIS_COUNTS)
+        self._skipped, self._evictions = counter_values(stores_skipped=0, evictions=0)
+        self._disk_evictions, *_ = counter_values(disk_evictions=0)
+        self._redis_names = tuple(
+            counter_values(
+                redis_blocks_offered_again=0, redis_lookups_waited=0, redis_lookups_unanswered=0
+            )
+        )
 
     def take(self, *, busy: bool) -> dict[str, Any] | None:
         """Counter increments since the last call, and current gauges (vLLM's stats
@@ -133,67 +146,26 @@ class Report:
             self.dirty = False
         d = self._statistics
         c = self._counts
-        if self._disk is None and self._redis is None:
+        disk, redis = self._disk, self._redis
+        if disk is None and redis is None:
             seen_c, seen_d = self._built_from
             if d is seen_d and c == seen_c:
                 return None  # no counter moved and the gauges are those reported
             self._built_from = (dict(c), d)
-        now = counter_values(
-            tokens_looked_up=c["tokens_looked_up"],
-            tokens_hit=c["tokens_hit"],
-            tokens_missed=c["tokens_missed"],
-            tokens_loaded=c["tokens_loaded"],
-            tokens_stored=c["tokens_stored"],
-            load_bytes=c["load_bytes"],
-            store_bytes=c["store_bytes"],
-            load_seconds=c["load_seconds"],
-            store_seconds=c["store_seconds"],
-            loads_failed=c["loads_failed"],
-            stores_failed=c["stores_failed"],
-            stores_fenced=c["stores_fenced"],
-            lookups_deferred=c["lookups_deferred"],
-            stores_skipped=d.stores_skipped_present + d.stores_skipped_full,
-            evictions=d.evictions,
-        )
-        disk = self._disk
+        now = {name: c[key] for name, key in self._from_counts}
+        now[self._skipped] = d.stores_skipped_present + d.stores_skipped_full
+        now[self._evictions] = d.evictions
         if disk is not None:
-            dd = disk.dir
-            now.update(
-                counter_values(
-                    disk_tokens_hit=c["disk_tokens_hit"],
-                    disk_read_bytes=c["disk_read_bytes"],
-                    disk_read_seconds=c["disk_read_seconds"],
-                    disk_write_bytes=c["disk_write_bytes"],
-                    disk_write_seconds=c["disk_write_seconds"],
-                    disk_blocks_written=c["disk_chunks_written"],
-                    disk_blocks_corrupt=c["disk_chunks_corrupt"],
-                    disk_reads_failed=c["disk_reads_failed"],
-                    disk_writes_failed=c["disk_writes_failed"],
-                    disk_evictions=dd.evictions,
-                )
-            )
-        redis = self._redis
+            now[self._disk_evictions] = disk.dir.evictions
         if redis is not None:
             rs = redis.statistics()
-            now.update(
-                counter_values(
-                    redis_tokens_hit=c["redis_tokens_hit"],
-                    redis_read_bytes=c["redis_read_bytes"],
-                    redis_read_seconds=c["redis_read_seconds"],
-                    redis_write_bytes=c["redis_write_bytes"],
-                    redis_write_seconds=c["redis_write_seconds"],
-                    redis_blocks_written=c["redis_chunks_written"],
-                    redis_blocks_corrupt=c["redis_chunks_corrupt"],
-                    redis_reads_failed=c["redis_reads_failed"],
-                    redis_writes_failed=c["redis_writes_failed"],
-                    redis_blocks_offered_again=rs.chunks_offered_again,
-                    redis_lookups_waited=rs.lookups_waited,
-                    redis_lookups_unanswered=rs.lookups_unanswered,
-                )
-            )
-        deltas = {k: v - self.reported.get(k, 0) for k, v in now.items()}
+            offered, waited, unanswered = self._redis_names
+            now[offered] = rs.chunks_offered_again
+            now[waited] = rs.lookups_waited
+            now[unanswered] = rs.lookups_unanswered
+        reported = self.reported
+        counters = {k: v - reported.get(k, 0) for k, v in now.items() if v != reported.get(k, 0)}
         self.reported = now
-        counters = {k: v for k, v in deltas.items() if v}
         gauges = gauge_values(
             host_blocks_used=d.used,
             host_blocks_capacity=d.capacity,
@@ -213,3 +185,58 @@ class Report:
             return None
         self._gauges = gauges
         return {"counters": counters, "gauges": gauges}
+
+
+# The counters reported as the scheduler side counts them: (metric's short name, counter).
+_HOST_COUNTS = (
+    ("tokens_looked_up", "tokens_looked_up"),
+    ("tokens_hit", "tokens_hit"),
+    ("tokens_missed", "tokens_missed"),
+    ("tokens_loaded", "tokens_loaded"),
+    ("tokens_stored", "tokens_stored"),
+    ("load_bytes", "load_bytes"),
+    ("store_bytes", "store_bytes"),
+    ("load_seconds", "load_seconds"),
+    ("store_seconds", "store_seconds"),
+    ("loads_failed", "loads_failed"),
+    ("stores_failed", "stores_failed"),
+    ("stores_fenced", "stores_fenced"),
+    ("lookups_deferred", "lookups_deferred"),
+)
+_DISK_COUNTS = (
+    ("disk_tokens_hit", "disk_tokens_hit"),
+    ("disk_read_bytes", "disk_read_bytes"),
+    ("disk_read_seconds", "disk_read_seconds"),
+    ("disk_write_bytes", "disk_write_bytes"),
+    ("disk_write_seconds", "disk_write_seconds"),
+    ("disk_blocks_written", "disk_chunks_written"),
+    ("disk_blocks_corrupt", "disk_chunks_corrupt"),
+    ("disk_reads_failed", "disk_reads_failed"),
+    ("disk_writes_failed", "disk_writes_failed"),
+)
+_REDIS_COUNTS = (
+    ("redis_tokens_hit", "redis_tokens_hit"),
+    ("redis_read_bytes", "redis_read_bytes"),
+    ("redis_read_seconds", "redis_read_seconds"),
+    ("redis_write_bytes", "redis_write_bytes"),
+    ("redis_write_seconds", "redis_write_seconds"),
+    ("redis_blocks_written", "redis_chunks_written"),
+    ("redis_blocks_corrupt", "redis_chunks_corrupt"),
+    ("redis_reads_failed", "redis_reads_failed"),
+    ("redis_writes_failed", "redis_writes_failed"),
+)
+
+
+def _names(pairs: tuple[tuple[str, str], ...]) -> list[tuple[str, str]]:
+    """(full metric name, counter) of each pair: raises for a name not in the table, or
+    for a counter the scheduler side does not count."""
+    unknown = [key for _, key in pairs if key not in COUNTS]
+    if unknown:
+        raise KeyError(f"not counters of the scheduler side: {unknown}")
+    return list(
+        zip(
+            counter_values(**dict.fromkeys((n for n, _ in pairs), 0)),
+            (k for _, k in pairs),
+            strict=True,
+        )
+    )

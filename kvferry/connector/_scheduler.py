@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import operator
 import time
-from collections.abc import Callable, Iterable
-from itertools import repeat
+from collections.abc import Callable, Iterable, Sequence
+from itertools import chain, repeat
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -84,6 +84,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
+_NONE = np.zeros(0, np.bool_)
+
+
 class SchedulerSide:
     """``clock``: seconds, monotonic; load deadlines are measured on it (tests inject one)."""
 
@@ -103,6 +106,10 @@ class SchedulerSide:
         )
         self._log = get_logger("kvferry.connector", role="scheduler")
         self._reqs: dict[str, ReqState] = {}
+        self._storing: dict[str, ReqState] = {}
+        """The requests that may have chunks to store when next scheduled: all of them
+        with ``store_decoded``; else those whose prompt is not all stored yet (a decode step
+        passes over the others without a look)."""
         self._jobs: dict[int, JobState] = {}
         self._next_job_id = 1
         self._pending_loads: list[JobSpec] = []
@@ -230,14 +237,23 @@ class SchedulerSide:
     def _ask(self, make: Any) -> Any:
         if self._facts:
             self._send_facts()
-        return self.runtime.call(self.directory.ask, make)
+        return self.runtime.ask(self.directory, make)
+
+    def _ask_after_facts(
+        self, make: Callable[[Any], LookupAndPin | PrepareLoad | PrepareStore]
+    ) -> Any:
+        """:meth:`_ask`, the facts held back going in the same message (one crossing)."""
+        if not self._facts:
+            return self.runtime.ask(self.directory, make)
+        facts, self._facts = tuple(self._facts), []
+        return self.runtime.ask(self.directory, lambda r: Facts(facts=facts, then=make(r)))
 
     def _send_facts(self) -> None:
         """The tells held back, in order, as one message (before any ask, and at the end
         of each schedule pass): the directory sees them before it answers anything."""
         facts, self._facts = self._facts, []
         msg: DirectoryMsg = facts[0] if len(facts) == 1 else Facts(facts=tuple(facts))
-        self.runtime.call(self.directory.tell, msg)
+        self.runtime.tell(self.directory, msg)
 
     # -- vLLM calls --------------------------------------------------------------------
 
@@ -249,7 +265,16 @@ class SchedulerSide:
         load, store, error = parse_request_params(request.kv_transfer_params)
         if error is not None:
             self._log.error("bad_request_params", req_id=request.request_id, error=error)
-        return ReqState(request=request, block_ids=[], load=load, store=store, error=error)
+        st = ReqState(request=request, block_ids=[], load=load, store=store, error=error)
+        self._store_from(st, 0)
+        return st
+
+    def _store_from(self, st: ReqState, chunk: int) -> None:
+        """Chunks from ``chunk`` on are to be offered for store (again): a new request, one
+        resumed after preemption, a failed load's, a reset's."""
+        st.stored_upto = min(st.stored_upto, chunk)
+        if st.store and not st.finished:
+            self._storing[st.request.request_id] = st
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -278,10 +303,13 @@ class SchedulerSide:
         self._release_lease(request.request_id)
         below_host = self.disk is not None or self.redis is not None
         each = geo.hybrid or below_host
-        lease: Lease = self._ask(lambda r: LookupAndPin(keys=tuple(keys), each=each, reply=r))
+        lease: Lease = self._ask_after_facts(
+            lambda r: LookupAndPin(keys=tuple(keys), each=each, reply=r)
+        )
         below: npt.NDArray[np.bool_] | None = None  # held below host memory (disk, Redis)
-        on_redis = np.zeros(len(keys), np.bool_)
+        on_redis = _NONE  # read only with a tier below host memory
         if below_host:
+            on_redis = np.zeros(len(keys), np.bool_)
             # The longest prefix held by host memory or a tier below, chunk by chunk.
             host = lease.ready if lease.ready is not None else np.zeros(len(keys), np.bool_)
             below = np.zeros(len(keys), np.bool_)
@@ -507,7 +535,7 @@ class SchedulerSide:
             self.directory_tell(LoadLeased(slots=found))
             self._unpin(release[len(host_keys) :])
         else:
-            found = self._ask(
+            found = self._ask_after_facts(
                 lambda r: PrepareLoad(keys=tuple(host_keys), release=release, reply=r)
             )
         if found is None:
@@ -645,8 +673,6 @@ class SchedulerSide:
         self._pending_failed_loads.append(job_id)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVFerryMetadata:
-        from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
-
         # Leases of lookups whose requests vLLM did not allocate in this schedule pass
         # (no free blocks, a budget, an abort): it asks again in a later step.
         if self._leases:
@@ -659,16 +685,28 @@ class SchedulerSide:
         self._expire_loads()
 
         reused: set[int] = set()
-        for req_id, new_block_ids, resumed in yield_req_data(scheduler_output):
-            if self._fences and new_block_ids:
-                reused.update(b for ids in new_block_ids for b in ids if b in self._fences)
-            st = self._reqs.get(req_id)
+        fences, reqs = self._fences, self._reqs
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed_ids = cached.resumed_req_ids
+        # vLLM's order (yield_req_data's): new requests, then the cached ones; a cached
+        # request with no new block (most of a decode step's) has None and is passed over.
+        for req_id, new_block_ids, resumed in chain(
+            ((r.req_id, r.block_ids, False) for r in scheduler_output.scheduled_new_reqs),
+            (
+                (req_id, ids, req_id in resumed_ids)
+                for req_id, ids in zip(cached.req_ids, cached.new_block_ids, strict=True)
+                if ids is not None or req_id in resumed_ids
+            ),
+        ):
+            if fences and new_block_ids:
+                reused.update(b for ids in new_block_ids for b in ids if b in fences)
+            st = reqs.get(req_id)
             if st is None:
                 continue
             if resumed or not st.block_ids:
                 st.block_ids = [list(g) for g in new_block_ids] if new_block_ids else []
                 if resumed:
-                    st.stored_upto = 0  # stored chunks are skipped as present
+                    self._store_from(st, 0)  # stored chunks are skipped as present
             elif new_block_ids is not None:
                 for g, ids in enumerate(new_block_ids):
                     st.block_ids[g].extend(ids)
@@ -684,20 +722,24 @@ class SchedulerSide:
         self._c["stores_fenced"] += len(flush)
 
         plans = []
-        reqs, ct, decoded = self._reqs, self.geometry.chunk_tokens, self.cfg.store_decoded
+        storing, ct, decoded = self._storing, self.geometry.chunk_tokens, self.cfg.store_decoded
+        stored: list[str] = []
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
-            st = reqs.get(req_id)
+            st = storing.get(req_id)
             if st is None:
                 continue
             request = st.request
             computed_after = request.num_computed_tokens + n
             # Most requests decode with every chunk they can store stored: no call for them.
             tokens = computed_after if decoded else min(computed_after, request.num_prompt_tokens)
-            if tokens // ct <= st.stored_upto:
-                continue
-            plan = self._plan_store(st, computed_after, st.block_ids)
-            if plan is not None:
-                plans.append(plan)
+            if tokens // ct > st.stored_upto:
+                plan = self._plan_store(st, computed_after, st.block_ids)
+                if plan is not None:
+                    plans.append(plan)
+            if not decoded and st.stored_upto >= request.num_prompt_tokens // ct:
+                stored.append(req_id)  # its whole prompt: nothing more to store
+        for req_id in stored:
+            del storing[req_id]
         self._prepare_stores(plans)
         if self.disk is not None and self.disk.write_back:
             self._writes.demote()
@@ -741,6 +783,7 @@ class SchedulerSide:
         if st is None:
             return False, None
         st.finished = True
+        self._storing.pop(request.request_id, None)
         self._release_lease(request.request_id)
         self.trace.request_finished(request.request_id)
         info: dict[str, Any] = {"tokens_loaded": st.tokens_loaded}
@@ -757,7 +800,7 @@ class SchedulerSide:
             # Aborted while its load runs: vLLM frees the blocks at finished_recving.
             return True, params
         # The last full blocks, computed in the final step.
-        plan = self._plan_store(st, request.num_computed_tokens, [list(g) for g in block_ids])
+        plan = self._plan_store(st, request.num_computed_tokens, block_ids)
         if plan is not None:
             self._prepare_stores([plan])
         if st.store_jobs:
@@ -783,7 +826,7 @@ class SchedulerSide:
         self._report.dirty = True
         self._stale_jobs.update(j for j, job in self._jobs.items() if job.is_store)
         for st in self._reqs.values():
-            st.stored_upto = 0
+            self._store_from(st, 0)
         self._log.info("cache_reset", dropped=dropped, stores_in_flight=len(self._stale_jobs))
         return True
 
@@ -839,8 +882,8 @@ class SchedulerSide:
         return job_id
 
     def _plan_store(
-        self, st: ReqState, computed_tokens: int, block_ids: list[list[int]]
-    ) -> tuple[ReqState, int, int, list[list[int]]] | None:
+        self, st: ReqState, computed_tokens: int, block_ids: Sequence[Sequence[int]]
+    ) -> tuple[ReqState, int, int, Sequence[Sequence[int]]] | None:
         if not st.store:
             return None
         geo = self.geometry
@@ -852,7 +895,9 @@ class SchedulerSide:
         first, st.stored_upto = st.stored_upto, upto
         return st, first, upto, block_ids
 
-    def _prepare_stores(self, plans: Iterable[tuple[ReqState, int, int, list[list[int]]]]) -> None:
+    def _prepare_stores(
+        self, plans: Iterable[tuple[ReqState, int, int, Sequence[Sequence[int]]]]
+    ) -> None:
         """One PrepareStore for all planned chunks; a job per request for the admitted ones."""
         plans = list(plans)
         all_keys: list[bytes] = []
@@ -862,7 +907,7 @@ class SchedulerSide:
                 self._book.record_chunks(st.request, first, upto)
         if not all_keys:
             return
-        slots_all = self._ask(lambda r: PrepareStore(keys=tuple(all_keys), reply=r))
+        slots_all = self._ask_after_facts(lambda r: PrepareStore(keys=tuple(all_keys), reply=r))
         self._report.dirty = True
         geo = self.geometry
         G = geo.num_groups
@@ -977,12 +1022,11 @@ class SchedulerSide:
         if st is not None and st.load_job == job.job_id:
             st.load_job = None
 
-    @staticmethod
-    def _store_again(st: ReqState | None, job: JobState) -> None:
+    def _store_again(self, st: ReqState | None, job: JobState) -> None:
         """A load failed: vLLM recomputes its blocks, and they are offered to the store
         again (those still held are skipped as present)."""
         if st is not None and job.first_chunk is not None:
-            st.stored_upto = min(st.stored_upto, job.first_chunk)
+            self._store_from(st, job.first_chunk)
 
     def _ack(self, meta: KVFerryWorkerMetadata) -> None:
         for key, value in meta.stats.items():

@@ -31,6 +31,13 @@ class AskBoom:
 
 
 @attrs.frozen(kw_only=True)
+class AnswerThenBoom:
+    """An ask whose handler answers, then raises."""
+
+    reply: Reply[int] = attrs.field(eq=False, repr=False)
+
+
+@attrs.frozen(kw_only=True)
 class Block:
     """Holds the actor inside its handler until ``gate`` is set."""
 
@@ -45,7 +52,7 @@ class Forget:
     reply: Reply[int] = attrs.field(eq=False, repr=False)
 
 
-Msg: TypeAlias = Add | Get | Boom | AskBoom | Block | Forget
+Msg: TypeAlias = Add | Get | Boom | AskBoom | AnswerThenBoom | Block | Forget
 
 
 class Counter(Actor[Msg]):
@@ -85,6 +92,9 @@ class Counter(Actor[Msg]):
                 raise RuntimeError("boom")
             case AskBoom():
                 raise ValueError("bad ask")
+            case AnswerThenBoom(reply=reply):
+                reply.set(self.value)
+                raise RuntimeError("answered, then boom")
             case _:
                 raise TypeError(f"not handled without awaiting: {msg!r}")
 

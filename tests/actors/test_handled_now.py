@@ -19,13 +19,13 @@ from kvferry.actors import (
     ThreadRuntime,
 )
 
-from ._actors import Add, AskBoom, Boom, Counter, Get, Msg, block
+from ._actors import Add, AnswerThenBoom, AskBoom, Boom, Counter, Get, Msg, block
 
 
 class NowCounter(Counter):
     """Counter whose Add, Get, Boom and AskBoom never await: handled now where they can be."""
 
-    immediate = frozenset({Add, Get, Boom, AskBoom})
+    immediate = frozenset({Add, Get, Boom, AskBoom, AnswerThenBoom})
 
     def handle_now(self, msg: Msg) -> None:
         self.apply(msg)
@@ -159,6 +159,19 @@ def test_a_tell_handled_now_that_raises_is_supervised_in_its_turn(stepped, api_p
     with pytest.raises(ActorCrashed, match="boom"):
         runtime.ask(ref, Get)
     assert ref.statistics().restarts == 2
+
+
+def test_an_ask_whose_handler_raised_after_answering_is_supervised_as_a_tell(either) -> None:  # type: ignore[no-untyped-def]
+    """The asker has its answer; the error is not lost: supervised in its turn, as the
+    actor's task supervises it (test_supervision.py), wherever the ask was handled."""
+    runtime, ref = either
+    runtime.tell(ref, Add(n=2))
+    assert runtime.ask(ref, AnswerThenBoom) == 2
+    runtime.tell(ref, Add(n=1))
+    assert runtime.ask(ref, Get) == 3
+    assert [str(e) for e in _actor(ref).restarted_with] == ["answered, then boom"]
+    stats = ref.statistics()
+    assert stats.failures == 1 and stats.restarts == 1
 
 
 @pytest.mark.parametrize("waiting", ["callback", "timer", "socket"])

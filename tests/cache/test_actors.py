@@ -21,6 +21,7 @@ from kvferry.cache import (
     GetStatistics,
     HostTier,
     Lookup,
+    LookupAndPin,
     PrepareLoad,
     PrepareStore,
     Publish,
@@ -189,14 +190,47 @@ async def test_facts_are_applied_in_order_as_one_message() -> None:
         assert ref.statistics().messages_handled == 5  # four facts in two messages
 
 
+async def test_facts_and_the_ask_after_them_go_as_one_message() -> None:
+    async with ActorSystem() as system:
+        ref = await system.spawn(DirectoryActor(4))
+        slots = await ref.ask(lambda r: PrepareStore(keys=(k(1), k(2)), reply=r))
+        # The ask is answered after the facts: the store's completion makes it a hit.
+        facts = (CompleteStore(slots=slots, ok=True), Touch(keys=(k(2),)))
+        lease = await ref.ask(
+            lambda r: Facts(facts=facts, then=LookupAndPin(keys=(k(1), k(2)), reply=r))
+        )
+        assert lease.leading == 2 and sorted(lease.slots.tolist()) == sorted(slots.tolist())
+        pinned = await ref.ask(
+            lambda r: Facts(
+                facts=(Unpin(slots=lease.slots[1:]),),
+                then=PrepareLoad(keys=(k(1),), release=lease.slots[:1], reply=r),
+            )
+        )
+        assert pinned is not None and pinned.tolist() == slots[:1].tolist()
+        stats = await ref.ask(GetStatistics)
+        assert (stats.ready, stats.pinned) == (2, 1)
+        assert ref.statistics().messages_handled == 4
+
+
+@pytest.mark.parametrize("then", [False, True], ids=["alone", "with-an-ask"])
 async def test_a_fact_that_fails_does_not_stop_the_others(
-    caplog: pytest.LogCaptureFixture,
+    then: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """Alone, or before an ask in the same message (the ask is answered first): the
+    failure is supervised once, as a failed tell's."""
     async with ActorSystem() as system:
         ref = await system.spawn(DirectoryActor(4))
         slots = await ref.ask(lambda r: PrepareStore(keys=(k(1),), reply=r))
         bad = Touch(keys=None)  # type: ignore[arg-type]  # no keys at all: touch raises
+        facts = (bad, CompleteStore(slots=slots, ok=True))
         with caplog.at_level(logging.ERROR):
-            await ref.tell(Facts(facts=(bad, CompleteStore(slots=slots, ok=True))))
+            if then:
+                lease = await ref.ask(
+                    lambda r: Facts(facts=facts, then=LookupAndPin(keys=(k(1),), reply=r))
+                )
+                assert lease.leading == 1  # the fact after the bad one was applied too
+            else:
+                await ref.tell(Facts(facts=facts))
             assert await ref.ask(lambda r: Lookup(keys=(k(1),), reply=r)) == 1
-        assert ref.statistics().restarts == 1  # supervised once, as a failed tell
+        assert ref.statistics().restarts == 1
+        assert "tell_handler_failed" in caplog.text

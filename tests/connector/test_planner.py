@@ -208,3 +208,98 @@ def test_a_failed_load_names_every_allocated_block_but_the_null_ones_with_no_hos
 
 def test_a_failed_load_leaves_out_a_group_of_null_blocks_only() -> None:
     assert [p.group for p in failed_load_parts(([5], [0, 0]))] == [0]
+
+
+# -- against a block-by-block reference ----------------------------------------------------
+
+
+def random_request(
+    rng: np.random.Generator,
+) -> tuple[Geometry, list[list[int]], int, int]:
+    """A geometry (1-3 groups, 1, 2 or 4 blocks a chunk, some groups sliding-window) and a
+    request's block ids: a windowed group's leading blocks are vLLM's null block."""
+    bpc = int(rng.choice([1, 2, 4]))
+    windows = tuple(
+        None if rng.random() < 0.6 else int(rng.integers(1, 4))
+        for _ in range(int(rng.integers(1, 4)))
+    )
+    geo = geometry(blocks_per_chunk=bpc, windows=windows)
+    chunks = int(rng.integers(1, 12))
+    ids = []
+    for w in windows:
+        blocks = (rng.permutation(500)[: chunks * bpc] + 1).tolist()
+        if w is not None:
+            nulls = int(rng.integers(0, chunks * bpc + 1))
+            blocks[:nulls] = [0] * nulls
+        ids.append(blocks)
+    first = int(rng.integers(0, chunks))
+    return geo, ids, first, chunks
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_a_store_plan_equals_the_block_by_block_reference(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    geo, ids, first, chunks = random_request(rng)
+    G, bpc = geo.num_groups, geo.blocks_per_chunk
+    n = chunks - first
+    answer = rng.permutation(64)[: n * G].astype(np.int64)
+    answer[rng.random(n * G) < 0.3] = -1  # present, not admitted, no room
+    table = answer.reshape(n, G)
+    names = keys(n, G, first)
+    plan = plan_store(geo, first, ids, table, names)
+    # The reference: each (chunk, group) given a slot, group by group, chunks in order.
+    want_pairs: dict[int, list[tuple[int, int]]] = {}
+    live, live_keys, dead, fenced = [], [], [], []
+    for g in range(G):
+        for i in range(n):
+            slot = int(table[i, g])
+            if slot < 0:
+                continue
+            blocks = ids[g][(first + i) * bpc : (first + i + 1) * bpc]
+            if 0 in blocks:
+                dead.append(slot)
+                continue
+            want_pairs.setdefault(g, []).extend((b, slot * bpc + j) for j, b in enumerate(blocks))
+            live.append(slot)
+            live_keys.append(names[i * G + g])
+            if geo.windows[g] is not None:
+                fenced.extend(blocks)
+    assert {p.group: pairs(p) for p in plan.parts} == want_pairs
+    assert [p.group for p in plan.parts] == sorted(want_pairs)
+    assert plan.slots.tolist() == live
+    assert plan.keys == tuple(live_keys)
+    assert plan.dead == dead
+    assert plan.fenced == tuple(fenced)
+    assert plan.tokens == len(live) * geo.chunk_tokens // G
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_a_load_plan_equals_the_block_by_block_reference(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    geo, ids, _, chunks = random_request(rng)
+    G, bpc = geo.num_groups, geo.blocks_per_chunk
+    first_blk = int(rng.integers(0, chunks * bpc))  # the engine holds the blocks before
+    plan = plan_load(geo, ids, first_blk * BLOCK, chunks)
+    first_chunk = first_blk // bpc
+    # The reference: a (chunk, group) is wanted when one of its loaded blocks is not null.
+    wanted = [
+        (c, g)
+        for c in range(first_chunk, chunks)
+        for g in range(G)
+        if any(ids[g][b] for b in range(max(c * bpc, first_blk), (c + 1) * bpc))
+        or geo.windows[g] is None
+    ]
+    assert plan.wanted_keys(keys(chunks - first_chunk, G, first_chunk)) == [
+        f"c{c}g{g}".encode() for c, g in wanted
+    ]
+    slot_of = {cg: 100 + i for i, cg in enumerate(wanted)}
+    parts = load_parts(geo, plan, np.array([slot_of[cg] for cg in wanted], np.int64))
+    want = {
+        g: [
+            (ids[g][b], slot_of[(b // bpc, g)] * bpc + b % bpc)
+            for b in range(first_blk, chunks * bpc)
+            if ids[g][b] or geo.windows[g] is None
+        ]
+        for g in range(G)
+    }
+    assert {p.group: pairs(p) for p in parts} == want
