@@ -184,36 +184,44 @@ class DirectoryActor(Actor[DirectoryMsg]):
         self._publish_now()
 
     def _apply(self, msg: Fact) -> None:
+        if self._apply_one(msg):
+            self._check_room()
+
+    def _apply_one(self, msg: Fact) -> bool:
+        """Apply ``msg``; True when it may have made blocks evictable (room to check)."""
         d = self.directory
         match msg:
             case Unpin(slots=slots):
                 d.unpin(slots)
             case LoadLeased(slots=slots):
                 d.load_leased(slots)
-                return
+                return False
             case CompleteLoad(slots=slots, handed=handed):
                 d.complete_load(slots, handed)
             case CompleteStore(slots=slots, ok=ok, pin=pin):
                 d.complete_store(slots, ok, pin)  # stored blocks can be evicted from now on
             case Touch(keys=keys):
                 d.touch(keys)
-                return
+                return False
             case EndDemotions(slots=slots):
                 d.end_demotions(slots)
             case _:
                 assert_never(msg)
-        self._check_room()
+        return True
 
     def _apply_all(self, facts: tuple[Fact, ...]) -> None:
         """Each in order; one that fails does not stop the others (each would have been a
         message of its own), and the first failure is raised at the end (supervised as a
-        failed tell)."""
+        failed tell). The room is checked once, after them."""
         error: Exception | None = None
+        check = False
         for fact in facts:
             try:
-                self._apply(fact)
+                check |= self._apply_one(fact)
             except Exception as exc:
                 error = error or exc
+        if check:
+            self._check_room()
         if error is not None:
             raise error
 
