@@ -63,11 +63,17 @@ def step(
     new: dict[str, tuple[list[int], ...]],
     scheduled: dict[str, int],
     preempted: tuple[str, ...] = (),
+    cached: dict[str, tuple[list[int], ...] | None] | None = None,
+    resumed: tuple[str, ...] = (),
 ) -> Any:
-    """The parts of a SchedulerOutput the connector reads (new requests only)."""
+    """The parts of a SchedulerOutput the connector reads: ``new`` requests' block ids,
+    ``cached`` ones' new block ids (None: none this step), those ``resumed`` among them."""
+    cached = cached or {}
     return SimpleNamespace(
         scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=ids) for r, ids in new.items()],
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set()),
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=list(cached), new_block_ids=list(cached.values()), resumed_req_ids=set(resumed)
+        ),
         num_scheduled_tokens=scheduled,
         preempted_req_ids=set(preempted),
     )

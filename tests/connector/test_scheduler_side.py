@@ -61,3 +61,38 @@ def test_store_decoded_switch(
         a.block_hashes.append(b"decoded-block-hash".ljust(32, b"."))
         meta = side.build_connector_meta(step({}, {"a": 1}))
         assert sum(len(s.copy.parts[0].device_blocks) for s in meta.stores) == stored - 2
+
+
+@pytest.mark.parametrize("store_decoded", [False, True])
+def test_a_stored_prompt_is_offered_again_after_a_reset_or_a_preemption(
+    make_vllm_config: Any, kv_cache_config: Any, store_decoded: bool
+) -> None:
+    """Decode steps pass over a request whose prompt is stored (without a look, prompt
+    blocks only); a reset (the host tier emptied) or a preemption (vLLM hands the resumed
+    request new blocks) makes its chunks offered again."""
+    with scheduler_side(make_vllm_config, kv_cache_config, store_decoded=store_decoded) as side:
+        _offered_again(side)
+
+
+def _offered_again(scheduler: Any) -> None:
+    a = request("a", 2 * BLOCK + 8)  # a prompt of 2 full blocks and 8 tokens
+    scheduler.on_new_request(a)
+    assert scheduler.get_num_new_matched_tokens(a, 0) == (0, False)
+    meta = scheduler.build_connector_meta(step({"a": ([1, 2, 3],)}, {"a": a.num_tokens}))
+    [store] = meta.stores
+    scheduler.update_connector_output(acked(store.copy.job_id))
+    a.num_computed_tokens = a.num_tokens
+    decode = step({}, {"a": 1}, cached={"a": None})
+    assert scheduler.build_connector_meta(decode).stores == []
+
+    assert scheduler.reset()
+    [again] = scheduler.build_connector_meta(decode).stores
+    assert again.copy.parts[0].device_blocks.tolist() == [1, 2]
+    scheduler.update_connector_output(acked(again.copy.job_id))
+    assert scheduler.build_connector_meta(decode).stores == []
+
+    skipped = scheduler.statistics().directory.stores_skipped_present
+    resume = step({}, {"a": a.num_tokens}, cached={"a": ([7, 8, 9],)}, resumed=("a",))
+    assert scheduler.build_connector_meta(resume).stores == []  # both held: skipped as present
+    assert scheduler.statistics().directory.stores_skipped_present == skipped + 2
+    assert scheduler.build_connector_meta(decode).stores == []
