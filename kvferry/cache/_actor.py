@@ -235,8 +235,8 @@ class DirectoryActor(Actor[DirectoryMsg]):
                 ready=ready,
                 slots=d.lease(hits),
             )
-        n = d.lookup(keys)
-        return Lease(leading=n, slots=d.lease(keys[:n]))
+        slots = d.lookup_and_lease(keys)
+        return Lease(leading=len(slots), slots=slots)
 
     def _check_room(self) -> None:
         if self._evictor is None or not self.directory.room_short():

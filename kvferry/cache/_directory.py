@@ -206,6 +206,22 @@ class Directory:
         self.misses += len(keys) - n
         return n
 
+    def lookup_and_lease(self, keys: Sequence[Key]) -> I64:
+        """:meth:`lookup` then :meth:`lease` of the hit, in one pass: the slots of the
+        leading READY ``keys``, each pinned (their number is the hit)."""
+        st, pins = self._st, self._pn
+        found = self._find(keys)
+        n = 0
+        for s in found:
+            if st[s] != READY:  # -1 (absent) reads the FREE sentinel
+                break
+            pins[s] += 1
+            n += 1
+        self.lookups += 1
+        self.hits += n
+        self.misses += len(keys) - n
+        return np.array(found[:n], np.int64)
+
     def ready(self, keys: Sequence[Key]) -> npt.NDArray[np.bool_]:
         """For each of ``keys``, whether it is READY (hybrid models look past a miss)."""
         st = self._st

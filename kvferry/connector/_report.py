@@ -125,6 +125,12 @@ class Report:
             self._from_counts += _names(_REDIS_COUNTS)
         self._skipped, self._evictions = counter_values(stores_skipped=0, evictions=0)
         self._disk_evictions, *_ = counter_values(disk_evictions=0)
+        self._host_gauges = tuple(
+            gauge_values(host_blocks_used=0, host_blocks_capacity=0, host_usage_ratio=0)
+        )
+        self._disk_gauges = tuple(
+            gauge_values(disk_blocks_used=0, disk_blocks_capacity=0, disk_usage_ratio=0)
+        )
         self._redis_names = tuple(
             counter_values(
                 redis_blocks_offered_again=0, redis_lookups_waited=0, redis_lookups_unanswered=0
@@ -166,21 +172,13 @@ class Report:
         reported = self.reported
         counters = {k: v - reported.get(k, 0) for k, v in now.items() if v != reported.get(k, 0)}
         self.reported = now
-        gauges = gauge_values(
-            host_blocks_used=d.used,
-            host_blocks_capacity=d.capacity,
-            host_usage_ratio=d.used / d.capacity,
-        )
+        used, capacity, ratio = self._host_gauges
+        gauges = {used: d.used, capacity: d.capacity, ratio: d.used / d.capacity}
         if disk is not None:
             # Resident: on disk on every worker (READY), as a lookup sees the tier.
             ready = disk.dir.used - disk.writes_in_flight
-            gauges.update(
-                gauge_values(
-                    disk_blocks_used=ready,
-                    disk_blocks_capacity=disk.capacity,
-                    disk_usage_ratio=ready / disk.capacity,
-                )
-            )
+            used, capacity, ratio = self._disk_gauges
+            gauges |= {used: ready, capacity: disk.capacity, ratio: ready / disk.capacity}
         if not counters and gauges == self._gauges:
             return None
         self._gauges = gauges

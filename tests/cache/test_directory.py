@@ -42,6 +42,26 @@ def test_lookup_counts_only_the_leading_ready_keys() -> None:
     assert (stats.lookups, stats.hits, stats.misses) == (1, 1, 2)
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_lookup_and_lease_is_a_lookup_then_a_lease_of_its_hit(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    one, two = Directory(16), Directory(16)
+    for d in (one, two):  # the same history: some ready, some still being stored
+        r = np.random.default_rng(seed)
+        for _ in range(6):
+            slots = d.prepare_store([k(int(i)) for i in r.integers(0, 24, 4)])
+            live = slots[slots >= 0]
+            d.complete_store(live[r.random(len(live)) < 0.8], ok=True)
+    for _ in range(10):
+        keys = [k(int(i)) for i in rng.integers(0, 24, int(rng.integers(0, 8)))]
+        n = one.lookup(keys)
+        want = one.lease(keys[:n])
+        got = two.lookup_and_lease(keys)
+        assert got.tolist() == want.tolist() and len(got) == n
+    assert one.statistics() == two.statistics()
+    assert one._pins.tolist() == two._pins.tolist()
+
+
 def test_a_failed_store_is_never_visible_and_frees_its_slot() -> None:
     d = Directory(1)
     slots = d.prepare_store([k(1)])
