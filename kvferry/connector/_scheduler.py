@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import operator
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from itertools import chain, repeat
 from typing import TYPE_CHECKING, Any
@@ -121,7 +122,7 @@ class SchedulerSide:
         self._fences: dict[int, set[int]] = {}
         """Engine block id -> store jobs still reading it (sliding-window groups)."""
         self._group_suffixes = [g.to_bytes(4, "big") for g in range(self.geometry.num_groups)]
-        self._loading: dict[bytes, int] = {}
+        self._loading: Counter[bytes] = Counter()
         """Key -> loads in flight filling it."""
         self._expired: dict[int, JobState] = {}
         """Loads ended at their deadline whose workers have not all reported yet."""
@@ -520,8 +521,8 @@ class SchedulerSide:
         release = lease if lease is not None else np.zeros(0, np.int64)
         # Chunks only below host memory (on disk, or in Redis): read into host slots
         # reserved at the lookup, then loaded with the rest.
+        dmask = _NONE
         if disk_lease is None:  # all in host memory (always, without lower tiers)
-            dmask = np.zeros(len(keys), np.bool_)
             host_keys, disk_keys = keys, []
         else:
             from_disk = set(disk_lease[0])
@@ -554,9 +555,12 @@ class SchedulerSide:
             if reserved_of:
                 self.directory_tell(CompleteStore(slots=list(reserved_of.values()), ok=False))
         job_id = self._new_job_id()
-        both = np.empty(len(keys), np.int64)
-        both[~dmask] = found
-        both[dmask] = reserved
+        if disk_lease is None:
+            both = found
+        else:
+            both = np.empty(len(keys), np.int64)
+            both[~dmask] = found
+            both[dmask] = reserved
         parts = load_parts(geo, plan, both)
         redis_keys: list[bytes] = []
         redis_slots = np.zeros(0, np.int64)
@@ -588,8 +592,7 @@ class SchedulerSide:
             first_chunk=first_chunk,
             event_keys=facts,
         )
-        for k in keys:
-            self._loading[k] = self._loading.get(k, 0) + 1
+        self._loading.update(keys)  # counted in C
         st.load_job = job_id
         st.stored_upto = max(st.stored_upto, hit_chunks)
         tp = self.trace.job_planned(
