@@ -139,6 +139,8 @@ class Directory:
         self._pn = self._pins.data
         # Tags (hash of the key) only for a policy that keeps history of evicted keys.
         self._uses_tags = bool(getattr(self.policy, "uses_tags", True))
+        # A policy's touch of the index's slots as found (-1, any state), if it has one.
+        self._touch_found = getattr(self.policy, "touch_found", None)
         self._tag = np.zeros(num_slots if self._uses_tags else 0, np.int64)
         # A policy that takes its tags in batches (ARC): a store's keys are hashed at the
         # next eviction, with every store's since (one numpy pass instead of a few calls
@@ -312,6 +314,9 @@ class Directory:
 
     def touch(self, keys: Sequence[Key]) -> None:
         """A request finished with these keys (head first): recency for the policy."""
+        if self._touch_found is not None:  # it picks the READY slots itself
+            self._touch_found(self._find(keys))
+            return
         st = self._st
         slots = [s for s in self._find(keys) if st[s] == READY]
         if slots:

@@ -50,7 +50,10 @@ class EvictionPolicy(Protocol):
     it gets empty tags in :meth:`admit`, and its store misses in batches (several stores'
     in one call, in their order, always before the next :meth:`victims`, :meth:`forget`
     or :meth:`clear`), which saves the directory hashing each store's keys on its own
-    (unless a ``store_threshold`` needs them at once).
+    (unless a ``store_threshold`` needs them at once). A policy may also offer
+    ``touch_found(found)``: :meth:`touch` of the slots the key index found, unfiltered (a
+    list, -1 for an absent key, slots in any state), for a policy that tells READY slots
+    apart itself (the built-in LRU's OrderedDict holds nothing else).
     """
 
     name: str
@@ -116,6 +119,11 @@ class LRUPolicy:
             raise ValueError(f'order must be "dict" or "log", got {order!r}')
         self._order = OrderedRecency() if order == "dict" else LogRecency(capacity)
         self._victims = 0
+        self.touch_found = (
+            self._order.refresh_found if isinstance(self._order, OrderedRecency) else None
+        )
+        """:meth:`touch` of the slots a key index found, unfiltered (the OrderedDict holds
+        the READY slots only, and moves only them); None with the log order."""
 
     def admit(self, slots: I64, tags: I64) -> None:
         self._order.enter(slots)

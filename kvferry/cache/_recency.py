@@ -305,6 +305,12 @@ class OrderedRecency:
         od = self._od
         deque(map(od.move_to_end, filter(od.__contains__, slots.tolist()[::-1])), 0)
 
+    def refresh_found(self, found: list[int]) -> None:
+        """:meth:`refresh` of slots as a key index found them (-1 for an absent key, a slot
+        in any state): those in the list are READY ones, and only they move."""
+        od = self._od
+        deque(map(od.move_to_end, filter(od.__contains__, reversed(found))), 0)
+
     def pop(self, n: int, evictable: Evictable) -> I64:
         """Up to ``n`` of the oldest slots ``evictable`` accepts, oldest first; they leave
         the list. The refused ones keep their place (the next pop meets them again)."""

@@ -278,3 +278,32 @@ def test_arc_adapts_its_target_as_vllm_does_hit_by_hit(case: str) -> None:
     arc._learn()
     assert arc.p == want
     assert len(arc._b1) + len(arc._b2) == 1000 - sum(len(c) for c in chosen)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_lru_touches_the_slots_found_as_it_touches_the_ready_ones(seed: int) -> None:
+    """The OrderedDict LRU's touch_found (the index's slots, unfiltered) gives the
+    directory the order its touch of the READY slots gives: the same victims."""
+    runs = []
+    for found in (True, False):
+        policy = LRUPolicy(40, order="dict")
+        if not found:
+            policy.touch_found = None
+        d = Directory(40, policy=policy, watermarks=(1.0, 1.0), events=True)
+        rng = np.random.default_rng(seed)
+        inflight = []
+        for _ in range(400):
+            keys = [k(int(i)) for i in rng.integers(0, 120, int(rng.integers(1, 9)))]
+            n = d.lookup(keys)
+            load = d.prepare_load(keys[:n]) if n else None
+            inflight.append((keys, load, d.prepare_store(keys[n:])))
+            if len(inflight) > 3:
+                keys, load, slots = inflight.pop(0)
+                if load is not None:
+                    d.complete_load(load)
+                d.complete_store(slots[slots >= 0], ok=bool(rng.random() > 0.1))
+                d.touch(keys + [k(999)])  # an absent key too
+        runs.append(
+            [key for e in d.take_events() if isinstance(e, BlocksRemoved) for key in e.keys]
+        )
+    assert runs[0] == runs[1] and len(runs[0]) > 100
