@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -209,24 +210,38 @@ class _EagerARC(ARCPolicy):
     tags_in_batches = False
 
 
+def _request(
+    d: Directory,
+    rng: np.random.Generator,
+    inflight: list[Any],
+    keys: list[bytes],
+    depth: int,
+    *,
+    absent: tuple[bytes, ...] = (),
+) -> None:
+    """A request of ``keys`` (its hit loaded, the rest stored) and the end of the one
+    ``depth`` requests before it: its load and store complete (a tenth of the stores
+    fail), and it touches its keys (and ``absent`` ones)."""
+    n = d.lookup(keys)
+    load = d.prepare_load(keys[:n]) if n else None
+    inflight.append((keys, load, d.prepare_store(keys[n:])))
+    if len(inflight) > depth:
+        done, load, slots = inflight.pop(0)
+        if load is not None:
+            d.complete_load(load)
+        d.complete_store(slots[slots >= 0], ok=bool(rng.random() > 0.1))
+        d.touch([*done, *absent])
+
+
 def _arc_run(policy: ARCPolicy, watermarks: tuple[float, float]) -> tuple[list[bytes], dict]:
     """A seeded run (requests in flight, failed stores, discards, evictor passes, a reset)
     through an ARC directory: the keys it evicted, in order, and its policy's gauges."""
     rng = np.random.default_rng(7)
     d = Directory(60, policy=policy, watermarks=watermarks, events=True)
-    inflight = []
+    inflight: list[Any] = []
     for step in range(600):
         keys = [k(int(i)) for i in rng.zipf(1.3, int(rng.integers(1, 9))) % 300]
-        n = d.lookup(keys)
-        load = d.prepare_load(keys[:n]) if n else None
-        inflight.append((keys, load, d.prepare_store(keys[n:])))
-        if len(inflight) > 4:
-            keys, load, slots = inflight.pop(0)
-            if load is not None:
-                d.complete_load(load)
-            slots = slots[slots >= 0]
-            d.complete_store(slots, ok=bool(rng.random() > 0.1))
-            d.touch(keys)
+        _request(d, rng, inflight, keys, 4)
         if step % 97 == 0:
             d.discard([k(int(i)) for i in rng.integers(0, 300, 5)])
         if step == 400:
@@ -291,18 +306,10 @@ def test_lru_touches_the_slots_found_as_it_touches_the_ready_ones(seed: int) -> 
             policy.touch_found = None
         d = Directory(40, policy=policy, watermarks=(1.0, 1.0), events=True)
         rng = np.random.default_rng(seed)
-        inflight = []
+        inflight: list[Any] = []
         for _ in range(400):
             keys = [k(int(i)) for i in rng.integers(0, 120, int(rng.integers(1, 9)))]
-            n = d.lookup(keys)
-            load = d.prepare_load(keys[:n]) if n else None
-            inflight.append((keys, load, d.prepare_store(keys[n:])))
-            if len(inflight) > 3:
-                keys, load, slots = inflight.pop(0)
-                if load is not None:
-                    d.complete_load(load)
-                d.complete_store(slots[slots >= 0], ok=bool(rng.random() > 0.1))
-                d.touch(keys + [k(999)])  # an absent key too
+            _request(d, rng, inflight, keys, 3, absent=(k(999),))
         runs.append(
             [key for e in d.take_events() if isinstance(e, BlocksRemoved) for key in e.keys]
         )
