@@ -346,10 +346,11 @@ class Directory:
                 protect = np.array(reused, np.int64)
                 self.policy.reuse(protect)
             self.stores_skipped_present += k - len(idx)
-        if len(idx) > 1 and len(set(keys)) < k:
+        new_keys = list(keys) if len(idx) == k else [keys[i] for i in idx]
+        if len(new_keys) > 1 and len(set(new_keys)) < len(new_keys):  # a key given twice
             seen: set[Key] = set()
             idx = [i for i in idx if not (keys[i] in seen or seen.add(keys[i]))]  # type: ignore[func-returns-value]
-        new_keys = list(keys) if len(idx) == k else [keys[i] for i in idx]
+            new_keys = [keys[i] for i in idx]
         if not new_keys:
             return np.full(k, -1, np.int64)
         tags = (
