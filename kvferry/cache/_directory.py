@@ -50,16 +50,26 @@ import numpy.typing as npt
 
 from .._errors import InvariantError
 from .._logging import get_logger
+from . import _kernels
 from ._admission import DEFAULT_WATERMARKS, AdmissionFilter, check_store_threshold, check_watermarks
 from ._events import MEDIUM, AllBlocksCleared, BlocksRemoved, BlocksStored, KVEvent
 from ._index import DictIndex, KeyIndex
 from ._policy import EvictionPolicy, make_policy
+from ._slots import DEMOTING, FREE, READY, READY_DROPPED, STORING, STORING_DROPPED
 from ._statistics import DirectoryStatistics
 from ._table import tags_of
 
 I64 = npt.NDArray[np.int64]
 
-FREE, STORING, READY, STORING_DROPPED, READY_DROPPED, DEMOTING = 0, 1, 2, 3, 4, 5
+__all__ = [
+    "DEMOTING",
+    "FREE",
+    "READY",
+    "READY_DROPPED",
+    "STORING",
+    "STORING_DROPPED",
+    "Directory",
+]
 
 Key = bytes
 
@@ -91,9 +101,13 @@ class Directory:
     the CPU time per request on the 2-core machine: ``benchmarks/bookkeeping.py``; for a
     tier of millions of blocks).
 
-    The per-request calls loop in Python over memoryviews of the state arrays (a numpy
-    call costs more than a whole short request) and hand the policy one array per call;
-    the per-capacity work (eviction) is vectorized.
+    ``compiled``: the per-request calls' passes over their slots compiled with numba
+    (:mod:`~kvferry.cache._kernels`; None: where numba is installed, unless
+    ``KVFERRY_JIT=0``; True: numba is required); else, and for every call a compiled pass
+    leaves to it (an invariant broken, a slot dropped by a reset), they loop in Python
+    over memoryviews of the state arrays (a numpy call costs more than a whole short
+    request). Both hand the policy one array per call; the per-capacity work (eviction)
+    is vectorized.
     """
 
     def __init__(
@@ -108,6 +122,7 @@ class Directory:
         medium: str = MEDIUM,
         write_back: bool = False,
         index: str = "dict",
+        compiled: bool | None = None,
     ) -> None:
         if num_slots <= 0:
             raise ValueError(f"num_slots must be > 0, got {num_slots}")
@@ -115,6 +130,13 @@ class Directory:
             raise ValueError(f'index must be "compact" or "dict", got {index!r}')
         check_store_threshold(store_threshold)
         self.num_slots = num_slots
+        # The per-request loops over slots, compiled (numba) or None: in Python.
+        self._k = _kernels.load() if compiled or (compiled is None and _kernels.wanted()) else None
+        if compiled and self._k is None:
+            raise ValueError(
+                "compiled=True needs numba (pip install 'kvferry[jit]'), which is not "
+                "installed or failed to compile the directory's loops (see the log)"
+            )
         self.low, self.high = check_watermarks(watermarks)
         # LRU's order: an OrderedDict where a store evicts its few blocks inline (the
         # connector's watermarks (1, 1)); numpy logs for the evictor's large batches and
@@ -132,6 +154,7 @@ class Directory:
         # (``_changes``): a request's load and store reuse its lookup's resolution.
         self._changes = 0
         self._last: tuple[int, tuple[Key, ...], list[int]] = (-1, (), [])
+        self._last_array: I64 | None = None  # the same slots as an array, once asked for
         # One extra slot at the end: the FREE sentinel that slot -1 (absent) reads.
         self._state = np.zeros(num_slots + 1, np.int8)
         self._pins = np.zeros(num_slots + 1, np.int32)
@@ -187,7 +210,28 @@ class Directory:
                 return slots[len(last) - k :]
         slots = self._index.find(keys)
         self._last = (self._changes, keys if isinstance(keys, tuple) else tuple(keys), slots)
+        self._last_array = None
         return slots
+
+    def _find_array(self, keys: Sequence[Key]) -> I64:
+        """:meth:`_find` as an int64 array (what the compiled loops take), from the same
+        resolution; a view of it, not to be written to."""
+        k = len(keys)
+        changes, last, _ = self._last
+        if changes == self._changes and 0 < k <= len(last):
+            batch = keys if isinstance(keys, tuple) else tuple(keys)
+            if batch == last[:k]:
+                return self._last_slots()[:k]
+            if batch == last[len(last) - k :]:
+                return self._last_slots()[len(last) - k :]
+        self._find(keys)
+        return self._last_slots()
+
+    def _last_slots(self) -> I64:
+        whole = self._last_array
+        if whole is None:
+            whole = self._last_array = np.array(self._last[2], np.int64)
+        return whole
 
     def _index_keys(self, keys: Sequence[Key], slots: npt.NDArray[np.integer]) -> None:
         self._changes += 1
@@ -197,12 +241,16 @@ class Directory:
 
     def lookup(self, keys: Sequence[Key]) -> int:
         """Number of leading ``keys`` that are READY (a hit is only a completed store)."""
-        st = self._st
-        n = 0
-        for s in self._find(keys):
-            if st[s] != READY:  # -1 (absent) reads the FREE sentinel
-                break
-            n += 1
+        n: int
+        if self._k is not None:
+            n = self._k.leading_ready(self._state, self._find_array(keys))
+        else:
+            st = self._st
+            n = 0
+            for s in self._find(keys):
+                if st[s] != READY:  # -1 (absent) reads the FREE sentinel
+                    break
+                n += 1
         self.lookups += 1
         self.hits += n
         self.misses += len(keys) - n
@@ -211,6 +259,13 @@ class Directory:
     def lookup_and_lease(self, keys: Sequence[Key]) -> I64:
         """:meth:`lookup` then :meth:`lease` of the hit, in one pass: the slots of the
         leading READY ``keys``, each pinned (their number is the hit)."""
+        if self._k is not None:
+            found_array = self._find_array(keys)
+            n = self._k.lease_leading(self._state, self._pins, found_array)
+            self.lookups += 1
+            self.hits += n
+            self.misses += len(keys) - n
+            return found_array[:n].copy()
         st, pins = self._st, self._pn
         found = self._find(keys)
         n = 0
@@ -248,14 +303,20 @@ class Directory:
 
         A load is a reuse: the policy counts it.
         """
-        st, pins = self._st, self._pn
-        found = self._find(keys)
-        for s in found:
-            if st[s] != READY:  # -1 (absent) reads the FREE sentinel
+        if self._k is not None:
+            found_array = self._find_array(keys)
+            if not self._k.pin_if_all_ready(self._state, self._pins, found_array):
                 return None
-        for s in found:  # a key given twice is pinned twice, and unpinned twice
-            pins[s] += 1
-        out = np.array(found, np.int64)
+            out = found_array.copy()
+        else:
+            st, pins = self._st, self._pn
+            found = self._find(keys)
+            for s in found:
+                if st[s] != READY:  # -1 (absent) reads the FREE sentinel
+                    return None
+            for s in found:  # a key given twice is pinned twice, and unpinned twice
+                pins[s] += 1
+            out = np.array(found, np.int64)
         self.policy.reuse(out)
         self.loads_prepared += len(out)
         return out
@@ -284,6 +345,9 @@ class Directory:
         eviction comes in between. A lease is not recency: a waiting request is looked up
         again every step, and its blocks get their recency when it ends (:meth:`touch`).
         """
+        if self._k is not None:
+            out: I64 = self._k.pin_ready(self._state, self._pins, self._find_array(keys))
+            return out
         st, pins = self._st, self._pn
         slots = [s for s in self._find(keys) if st[s] == READY]
         for s in slots:
@@ -292,6 +356,13 @@ class Directory:
 
     def unpin(self, slots: npt.ArrayLike) -> int:
         """Release one pin of each of ``slots`` (a load's or a lease's); returns how many."""
+        if self._k is not None:
+            arr = np.asarray(slots, np.int64)
+            if self._k.unpin_ready(self._state, self._pins, arr, self.num_slots):
+                self._stuck = False
+                return len(arr)
+            # Else (a slot not pinned, out of range, dropped by a reset): nothing was
+            # released, and the loop below does it slot by slot, with its reports.
         st, pins = self._st, self._pn
         freed = []
         n = 0
@@ -317,6 +388,11 @@ class Directory:
         if self._touch_found is not None:  # it picks the READY slots itself
             self._touch_found(self._find(keys))
             return
+        if self._k is not None:
+            ready = self._k.ready_of(self._state, self._find_array(keys))
+            if len(ready):
+                self.policy.touch(ready)
+            return
         st = self._st
         slots = [s for s in self._find(keys) if st[s] == READY]
         if slots:
@@ -335,10 +411,17 @@ class Directory:
         a future miss.
         """
         k = len(keys)
-        found = self._find(keys)
         idx: list[int] | range = range(k)
         protect = None
-        if max(found, default=-1) >= 0:  # some present: skip them, count a reuse of the READY
+        if self._k is not None:
+            absent, ready = self._k.absent_and_ready(self._state, self._find_array(keys))
+            if len(absent) < k:  # some present: skip them, count a reuse of the READY
+                idx = absent.tolist()
+                if len(ready):
+                    protect = ready
+                    self.policy.reuse(protect)
+                self.stores_skipped_present += k - len(idx)
+        elif max(found := self._find(keys), default=-1) >= 0:  # some present: as above
             st = self._st
             idx = [i for i, s in enumerate(found) if s < 0]
             reused = [s for s in found if st[s] == READY]
@@ -418,14 +501,18 @@ class Directory:
         if not len(arr):
             return
         st, end = self._st, self.num_slots
-        if len(arr) > _SMALL or not all(  # a step's store is checked in Python
-            0 <= s < end and st[s] == STORING for s in arr.tolist()
+        # All STORING, the common case: the compiled loop makes them READY as it checks.
+        made_ready = (
+            ok and self._k is not None and self._k.ready_if_all_storing(self._state, arr, end)
+        )
+        live = None
+        if not made_ready and (
+            len(arr) > _SMALL  # a step's store is checked in Python
+            or not all(0 <= s < end and st[s] == STORING for s in arr.tolist())
         ):
             in_range = (arr >= 0) & (arr < self.num_slots)
             state = np.where(in_range, self._state[np.where(in_range, arr, -1)], FREE)
             live = state == STORING
-        else:
-            live = None
         if live is not None and not live.all():
             dropped = state == STORING_DROPPED
             if not (live | dropped).all():
@@ -440,7 +527,8 @@ class Directory:
             arr = arr[live]
         if ok:
             self._stuck = False
-            self._state[arr] = READY
+            if not made_ready:
+                self._state[arr] = READY
             pinned = np.asarray(pin, np.int64)
             if len(pinned):
                 np.add.at(self._pins, pinned[np.isin(pinned, arr)], 1)  # a slot twice: 2 pins
@@ -558,7 +646,9 @@ class Directory:
             victims = np.asarray(self.policy.victims(n, self._evictable, self._tag), np.int64)
             m = len(victims)
             good = m <= n
-            if m and good and m <= _SMALL:
+            if m and good and self._k is not None:
+                good = self._k.evictable_distinct(self._state, self._pins, victims, self.num_slots)
+            elif m and good and m <= _SMALL:
                 # A store's inline eviction: checked in Python (fewer µs than the calls).
                 st, pn, end = self._st, self._pn, self.num_slots
                 chosen = victims.tolist()

@@ -380,9 +380,9 @@ class DictIndex:
 
     def insert(self, keys: Sequence[bytes], slots: Sequence[int] | npt.NDArray[np.integer]) -> None:
         slot_list = np.asarray(slots, np.int64).tolist()
-        key_of = self._key_of
-        for key, s in zip(keys, slot_list, strict=True):
-            key_of[s] = key
+        if len(slot_list) != len(keys):
+            raise ValueError(f"{len(keys)} keys for {len(slot_list)} slots")
+        deque(map(self._key_of.__setitem__, slot_list, keys), 0)  # no bytecode per key
         self._slot_of.update(zip(keys, slot_list, strict=True))
 
     def remove(self, slots: Sequence[int] | I64) -> list[int]:

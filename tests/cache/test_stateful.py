@@ -68,6 +68,7 @@ class DirectoryMachine(RuleBasedStateMachine):
     watermarks: tuple[float, float] = (1.0, 1.0)
     store_threshold: int = 1
     check_lru_order: bool = False
+    compiled: bool | None = None  # the compiled loops where numba is installed
 
     def __init__(self) -> None:
         super().__init__()
@@ -77,6 +78,7 @@ class DirectoryMachine(RuleBasedStateMachine):
             watermarks=self.watermarks,
             store_threshold=self.store_threshold,
             events=True,
+            compiled=self.compiled,
         )
         self.model = ModelDirectory(CAPACITY, store_threshold=self.store_threshold)
         self.loads: list[Any] = []
@@ -226,3 +228,9 @@ TestS3FIFO = machine(policy="s3fifo").TestCase
 TestS3FIFOWatermarks = machine(policy="s3fifo", watermarks=(0.5, 0.8)).TestCase
 TestUserPolicy = machine(policy="tests.cache.test_stateful:RandomPolicy").TestCase
 TestAdmission = machine(policy="arc", store_threshold=2).TestCase
+# The directory's loops in Python, where the others run compiled (numba installed).
+TestLRUExactInPython = machine(policy="lru", check_lru_order=True, compiled=False).TestCase
+TestARCInPython = machine(policy="arc", compiled=False).TestCase
+TestS3FIFOWatermarksInPython = machine(
+    policy="s3fifo", watermarks=(0.5, 0.8), compiled=False
+).TestCase
