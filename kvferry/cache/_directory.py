@@ -83,6 +83,14 @@ _SMALL = 48
 (measured on the 2-core machine, checking slots of a 1M-slot directory: 13 slots 4.6 µs
 in Python against 14.9 in numpy, 64 slots 19.4 against 15.6)."""
 
+_LOG_ORDER_FROM = 1_000_000
+"""From this many slots LRU keeps its order in numpy logs even where stores evict inline:
+an OrderedDict of millions of entries costs a few cache misses a block more. Measured on
+the 2-core machine (``benchmarks/bookkeeping.py``'s scaling run, LRU at watermarks (1, 1),
+ns per block-op, best of 3 segments, two runs each): at 100k slots 1,165-1,190 with the
+OrderedDict against 1,251-1,336 with the logs, at 1M 1,555-1,575 against 1,499-1,546,
+at 4M 1,900 against 1,601."""
+
 _log = get_logger("kvferry.cache")
 
 
@@ -140,8 +148,8 @@ class Directory:
         self.low, self.high = check_watermarks(watermarks)
         # LRU's order: an OrderedDict where a store evicts its few blocks inline (the
         # connector's watermarks (1, 1)); numpy logs for the evictor's large batches and
-        # for the compact index's millions of slots.
-        inline = self.high >= 1.0 and index == "dict"
+        # for millions of slots (the compact index's, or any from _LOG_ORDER_FROM).
+        inline = self.high >= 1.0 and index == "dict" and num_slots < _LOG_ORDER_FROM
         self.policy = make_policy(policy, num_slots, lru_order="dict" if inline else "log")
         self.store_threshold = store_threshold
         self._admission = (

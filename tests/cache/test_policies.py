@@ -314,3 +314,12 @@ def test_lru_touches_the_slots_found_as_it_touches_the_ready_ones(seed: int) -> 
             [key for e in d.take_events() if isinstance(e, BlocksRemoved) for key in e.keys]
         )
     assert runs[0] == runs[1] and len(runs[0]) > 100
+
+
+def test_lru_keeps_its_order_in_logs_from_a_million_slots_even_evicting_inline() -> None:
+    from kvferry.cache._recency import LogRecency, OrderedRecency
+
+    small = Directory(1000, watermarks=(1.0, 1.0))
+    large = Directory(1_000_000, watermarks=(1.0, 1.0))
+    assert isinstance(small.policy._order, OrderedRecency)  # type: ignore[attr-defined]
+    assert isinstance(large.policy._order, LogRecency)  # type: ignore[attr-defined]
