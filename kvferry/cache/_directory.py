@@ -208,38 +208,41 @@ class Directory:
     def _find(self, keys: Sequence[Key]) -> list[int]:
         """The slot of each key (-1: absent). A prefix or a suffix of the last batch
         resolved is not resolved again while no key came or went since."""
-        k = len(keys)
-        changes, last, slots = self._last
-        if changes == self._changes and 0 < k <= len(last):
-            batch = keys if isinstance(keys, tuple) else tuple(keys)
-            if batch == last[:k]:
-                return slots[:k]
-            if batch == last[len(last) - k :]:
-                return slots[len(last) - k :]
-        slots = self._index.find(keys)
-        self._last = (self._changes, keys if isinstance(keys, tuple) else tuple(keys), slots)
-        self._last_array = None
-        return slots
+        at = self._cached(keys)
+        if at is None:
+            return self._resolve(keys)
+        return self._last[2][at]
 
     def _find_array(self, keys: Sequence[Key]) -> I64:
         """:meth:`_find` as an int64 array (what the compiled loops take), from the same
         resolution; a view of it, not to be written to."""
+        at = self._cached(keys)
+        if at is None:
+            self._resolve(keys)
+            at = slice(None)
+        whole = self._last_array
+        if whole is None:
+            whole = self._last_array = np.array(self._last[2], np.int64)
+        return whole[at]
+
+    def _cached(self, keys: Sequence[Key]) -> slice | None:
+        """Where ``keys`` are in the last batch resolved, if they are a prefix or a suffix
+        of it and no key came or went since; else None."""
         k = len(keys)
         changes, last, _ = self._last
         if changes == self._changes and 0 < k <= len(last):
             batch = keys if isinstance(keys, tuple) else tuple(keys)
             if batch == last[:k]:
-                return self._last_slots()[:k]
+                return slice(0, k)
             if batch == last[len(last) - k :]:
-                return self._last_slots()[len(last) - k :]
-        self._find(keys)
-        return self._last_slots()
+                return slice(len(last) - k, len(last))
+        return None
 
-    def _last_slots(self) -> I64:
-        whole = self._last_array
-        if whole is None:
-            whole = self._last_array = np.array(self._last[2], np.int64)
-        return whole
+    def _resolve(self, keys: Sequence[Key]) -> list[int]:
+        slots = self._index.find(keys)
+        self._last = (self._changes, keys if isinstance(keys, tuple) else tuple(keys), slots)
+        self._last_array = None
+        return slots
 
     def _index_keys(self, keys: Sequence[Key], slots: npt.NDArray[np.integer]) -> None:
         self._changes += 1
