@@ -262,9 +262,7 @@ class Directory:
                 if st[s] != READY:  # -1 (absent) reads the FREE sentinel
                     break
                 n += 1
-        self.lookups += 1
-        self.hits += n
-        self.misses += len(keys) - n
+        self._count_lookup(len(keys), n)
         return n
 
     def lookup_and_lease(self, keys: Sequence[Key]) -> I64:
@@ -273,9 +271,7 @@ class Directory:
         if self._k is not None:
             found_array = self._find_array(keys)
             n = self._k.lease_leading(self._state, self._pins, found_array)
-            self.lookups += 1
-            self.hits += n
-            self.misses += len(keys) - n
+            self._count_lookup(len(keys), n)
             return found_array[:n].copy()
         st, pins = self._st, self._pn
         found = self._find(keys)
@@ -285,19 +281,19 @@ class Directory:
                 break
             pins[s] += 1
             n += 1
-        self.lookups += 1
-        self.hits += n
-        self.misses += len(keys) - n
+        self._count_lookup(len(keys), n)
         return np.array(found[:n], np.int64)
+
+    def _count_lookup(self, asked: int, hits: int) -> None:
+        self.lookups += 1
+        self.hits += hits
+        self.misses += asked - hits
 
     def ready(self, keys: Sequence[Key]) -> npt.NDArray[np.bool_]:
         """For each of ``keys``, whether it is READY (hybrid models look past a miss)."""
         st = self._st
         out = np.fromiter((st[s] == READY for s in self._find(keys)), np.bool_, len(keys))
-        n = int(np.count_nonzero(out))
-        self.lookups += 1
-        self.hits += n
-        self.misses += len(keys) - n
+        self._count_lookup(len(keys), int(np.count_nonzero(out)))
         return out
 
     def slot_of(self, key: Key) -> int | None:
