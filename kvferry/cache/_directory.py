@@ -91,6 +91,23 @@ ns per block-op, best of 3 segments, two runs each): at 100k slots 1,165-1,190 w
 OrderedDict against 1,251-1,336 with the logs, at 1M 1,555-1,575 against 1,499-1,546,
 at 4M 1,900 against 1,601."""
 
+_KEEP_LOOKUPS_FROM = 1_000_000
+"""From this many slots (with the compiled loops) a request's lookup is kept for the touch
+at its end, which then does not resolve its keys again: at millions of slots each dict
+lookup is a few cache misses. Below, keeping costs what it saves. Measured on the 2-core
+machine (``benchmarks/bookkeeping.py``'s scaling run, LRU at watermarks (1, 1), ns per
+block-op, the best segment of a run, each run resolving again / kept): at 10k slots 998,
+1,041 / 1,037, 1,108; at 100k 1,338, 1,360 / 1,232, 1,375; at 1M 1,895, 1,729 / 1,609,
+1,609; at 4M 2,147, 1,925 / 1,548, 1,511."""
+
+_RECENT = 1024
+"""Lookups kept for the touch at their request's end (:meth:`Directory.touch`): about
+the requests in flight; beyond, the oldest is dropped and its touch resolves its keys."""
+
+_EPOCH_MAX = 0xFFFF_FFFF
+"""The release counter's bound (``_released_at`` is uint32): reached, it starts again at
+0 and every lookup kept is dropped."""
+
 _log = get_logger("kvferry.cache")
 
 
@@ -161,8 +178,23 @@ class Directory:
         # The last batch of keys resolved, and its slots, while the index is unchanged
         # (``_changes``): a request's load and store reuse its lookup's resolution.
         self._changes = 0
-        self._last: tuple[int, tuple[Key, ...], list[int]] = (-1, (), [])
-        self._last_array: I64 | None = None  # the same slots as an array, once asked for
+        self._last: tuple[int, tuple[Key, ...], list[int] | None] = (-1, (), [])
+        self._last_array: I64 | None = None  # the same slots as an array (either, or both)
+        self._last_at = 0  # where the last _find_array's keys start in _last
+        # A request's lookup, kept until its touch (compiled loops, from _KEEP_LOOKUPS_FROM
+        # slots): at its end other
+        # requests' stores have changed the index, and the touch would resolve its keys
+        # again (a second dict lookup per key; at millions of slots, cache misses). What
+        # the lookup found is still right where none of its slots was released since
+        # (``_released_at``: the release counter's value at each slot's last release),
+        # and what it did not find where no key was inserted since (``_inserts``).
+        # {last key: [keys, slots found (-1: absent), release epoch, inserts]}.
+        self._recent: dict[Key, list[object]] = {}
+        self._last_rec: list[object] | None = None  # the one of the batch in _last
+        self._inserts = 0
+        self._epoch = 0
+        self._keeps = self._k is not None and num_slots >= _KEEP_LOOKUPS_FROM
+        self._released_at = np.zeros(num_slots + 1 if self._keeps else 0, np.uint32)
         # One extra slot at the end: the FREE sentinel that slot -1 (absent) reads.
         self._state = np.zeros(num_slots + 1, np.int8)
         self._pins = np.zeros(num_slots + 1, np.int32)
@@ -210,16 +242,26 @@ class Directory:
         resolved is not resolved again while no key came or went since."""
         at = self._cached(keys)
         if at is None:
-            return self._resolve(keys)
-        return self._last[2][at]
+            found = self._index.find(keys)
+            self._resolved(keys, found, None)
+            return found
+        slots, whole = self._last[2], self._last_array
+        if slots is None:  # resolved as an array
+            assert whole is not None
+            out: list[int] = whole[at].tolist()
+            return out
+        return slots[at]
 
     def _find_array(self, keys: Sequence[Key]) -> I64:
         """:meth:`_find` as an int64 array (what the compiled loops take), from the same
-        resolution; a view of it, not to be written to."""
+        resolution; it, or a view of it, not to be written to."""
         at = self._cached(keys)
         if at is None:
-            self._resolve(keys)
-            at = slice(None)
+            self._last_at = 0
+            found = self._index.find_array(keys)
+            self._resolved(keys, None, found)
+            return found
+        self._last_at = at.start
         whole = self._last_array
         if whole is None:
             whole = self._last_array = np.array(self._last[2], np.int64)
@@ -230,23 +272,87 @@ class Directory:
         of it and no key came or went since; else None."""
         k = len(keys)
         changes, last, _ = self._last
-        if changes == self._changes and 0 < k <= len(last):
+        n = len(last)
+        if changes == self._changes and 0 < k <= n:
             batch = keys if isinstance(keys, tuple) else tuple(keys)
-            if batch == last[:k]:
+            # The end keys first: a miss costs no copy of the batch.
+            if batch[0] == last[0] and batch == (last if k == n else last[:k]):
                 return slice(0, k)
-            if batch == last[len(last) - k :]:
-                return slice(len(last) - k, len(last))
+            if k < n and batch[-1] == last[-1] and batch == last[n - k :]:
+                return slice(n - k, n)
         return None
 
-    def _resolve(self, keys: Sequence[Key]) -> list[int]:
-        slots = self._index.find(keys)
+    def _resolved(self, keys: Sequence[Key], slots: list[int] | None, array: I64 | None) -> None:
+        """The last batch resolved: its slots as a list, or as an array (the other made
+        when asked for)."""
         self._last = (self._changes, keys if isinstance(keys, tuple) else tuple(keys), slots)
-        self._last_array = None
-        return slots
+        self._last_array = array
+        self._last_rec = None
 
     def _index_keys(self, keys: Sequence[Key], slots: npt.NDArray[np.integer]) -> None:
         self._changes += 1
+        self._inserts += 1
         self._index.insert(keys, slots)
+
+    def _keep(self, keys: Sequence[Key], found: I64) -> None:
+        """Keep a request's lookup (``found``: its keys' slots) for its touch."""
+        k = len(keys)
+        if not k:
+            return
+        batch = keys if isinstance(keys, tuple) else tuple(keys)
+        rec: list[object] = [batch, found.copy(), self._epoch, self._inserts]
+        recent = self._recent
+        recent[batch[-1]] = rec
+        if len(recent) > _RECENT:
+            del recent[next(iter(recent))]
+        # The batch of _last is this one (not one it is a part of): the request's store
+        # of its missing keys, which follows at once, fills them in.
+        self._last_rec = rec if self._last_at == 0 and len(self._last[1]) == k else None
+
+    def _found_at_end(self, keys: Sequence[Key]) -> I64 | None:
+        """The slots of a finished request's keys, from its lookup kept (see ``_recent``),
+        or None: not kept, or a slot it found was released since (resolve them again)."""
+        k = self._k
+        rec = self._recent.pop(keys[-1], None) if keys else None
+        if rec is None or k is None:  # (k: always there where lookups are kept)
+            return None
+        batch, found, epoch, inserts = rec
+        assert isinstance(found, np.ndarray) and isinstance(epoch, int)
+        if not (batch is keys or batch == (keys if isinstance(keys, tuple) else tuple(keys))):
+            return None
+        absent = k.absent_if_current(self._released_at, found, epoch)
+        if absent < 0:
+            return None
+        if absent and inserts != self._inserts:  # keys it did not find may be there now
+            at = np.flatnonzero(found < 0)
+            found[at] = self._index.find([keys[i] for i in at.tolist()])
+        return found
+
+    def _store_into_kept(self, at: int, idx: list[int] | range, new: I64, whole: bool) -> None:
+        """A store of a kept lookup's missing keys (``at``: where they start in it; ``idx``:
+        those stored, in the store's keys; ``new``: their slots): the lookup holds them
+        now. ``whole``: no other key was inserted by the store (none given twice)."""
+        rec = self._last_rec
+        self._last_rec = None
+        if rec is None or self._k is None:
+            return
+        found = rec[1]
+        epoch = rec[2]
+        assert isinstance(found, np.ndarray) and isinstance(epoch, int)
+        if epoch != self._epoch and self._k.absent_if_current(self._released_at, found, epoch) < 0:
+            # The store's eviction took one of the slots the lookup found: dropped.
+            last = rec[0][-1]  # type: ignore[index]
+            if self._recent.get(last) is rec:
+                del self._recent[last]
+            return
+        m = len(new)
+        if isinstance(idx, range):
+            found[at : at + m] = new
+        else:
+            found[np.asarray(idx[:m], np.int64) + at] = new
+        rec[2] = self._epoch
+        if whole:
+            rec[3] = self._inserts
 
     # -- queries -----------------------------------------------------------------------
 
@@ -254,7 +360,10 @@ class Directory:
         """Number of leading ``keys`` that are READY (a hit is only a completed store)."""
         n: int
         if self._k is not None:
-            n = self._k.leading_ready(self._state, self._find_array(keys))
+            found_array = self._find_array(keys)
+            n = self._k.leading_ready(self._state, found_array)
+            if self._keeps:
+                self._keep(keys, found_array)
         else:
             st = self._st
             n = 0
@@ -271,6 +380,8 @@ class Directory:
         if self._k is not None:
             found_array = self._find_array(keys)
             n = self._k.lease_leading(self._state, self._pins, found_array)
+            if self._keeps:
+                self._keep(keys, found_array)
             self._count_lookup(len(keys), n)
             return found_array[:n].copy()
         st, pins = self._st, self._pn
@@ -392,11 +503,13 @@ class Directory:
 
     def touch(self, keys: Sequence[Key]) -> None:
         """A request finished with these keys (head first): recency for the policy."""
+        kept = self._found_at_end(keys) if self._keeps else None
         if self._touch_found is not None:  # it picks the READY slots itself
-            self._touch_found(self._find(keys))
+            self._touch_found(kept.tolist() if kept is not None else self._find(keys))
             return
         if self._k is not None:
-            ready = self._k.ready_of(self._state, self._find_array(keys))
+            found = kept if kept is not None else self._find_array(keys)
+            ready = self._k.ready_of(self._state, found)
             if len(ready):
                 self.policy.touch(ready)
             return
@@ -420,9 +533,14 @@ class Directory:
         k = len(keys)
         idx: list[int] | range = range(k)
         protect = None
+        kept_at = 0
         if self._k is not None:
-            absent, ready = self._k.absent_and_ready(self._state, self._find_array(keys))
-            if len(absent) < k:  # some present: skip them, count a reuse of the READY
+            found_array = self._find_array(keys)
+            kept_at = self._last_at  # where these keys are in a kept lookup, if linked
+            # Some present (rare: a store names keys its lookup missed): skip them, and
+            # count a reuse of the READY ones.
+            if self._k.any_present(found_array):
+                absent, ready = self._k.absent_and_ready(self._state, found_array)
                 idx = absent.tolist()
                 if len(ready):
                     protect = ready
@@ -437,7 +555,9 @@ class Directory:
                 self.policy.reuse(protect)
             self.stores_skipped_present += k - len(idx)
         new_keys = list(keys) if len(idx) == k else [keys[i] for i in idx]
+        twice = False
         if len(new_keys) > 1 and len(set(new_keys)) < len(new_keys):  # a key given twice
+            twice = True
             seen: set[Key] = set()
             idx = [i for i in idx if not (keys[i] in seen or seen.add(keys[i]))]  # type: ignore[func-returns-value]
             new_keys = [keys[i] for i in idx]
@@ -478,13 +598,19 @@ class Directory:
         if not m:
             return np.full(k, -1, np.int64)
         top = self._num_free
-        new = self._free[top - m : top][::-1]
+        taken = self._free[top - m : top][::-1]
+        new = taken.astype(np.int64)  # the caller's: nothing here keeps it
         self._num_free = top - m
         self._index_keys(new_keys if m == need else new_keys[:m], new)
-        self._state[new] = STORING
+        if self._k is not None:
+            self._k.set_state(self._state, new, STORING)
+        else:
+            self._state[new] = STORING
+        if self._last_rec is not None:
+            self._store_into_kept(kept_at, idx, new, not twice)
         if later:
             self._untagged.append(new_keys)
-            self._untagged_slots.append(new)
+            self._untagged_slots.append(taken)
             self._untagged_len += m
             if self._untagged_len > _MAX_UNTAGGED:
                 self._tag_stores()
@@ -492,7 +618,7 @@ class Directory:
             self._tag[new] = tags[:m]
         self.stores_prepared += m
         if m == k:
-            return new.astype(np.int64)
+            return new
         out = np.full(k, -1, np.int64)
         out[np.asarray(idx[:m], np.int64)] = new
         return out
@@ -755,6 +881,14 @@ class Directory:
         self._state[slots] = FREE
         self._pins[slots] = 0
         m = len(slots)
+        if self._keeps and m:  # what a kept lookup found here is gone
+            if self._epoch >= _EPOCH_MAX:
+                self._released_at[:] = 0
+                self._epoch = 0
+                self._recent.clear()
+                self._last_rec = None
+            self._epoch += 1
+            self._released_at[slots] = self._epoch
         self._free[self._num_free : self._num_free + m] = slots
         self._num_free += m
 
@@ -788,6 +922,8 @@ class Directory:
         self._release(np.flatnonzero(ready & ~pinned))
         self._changes += 1
         self._index.clear()
+        self._recent.clear()
+        self._last_rec = None
         self.policy.clear()
         self.resets += 1
         if self._events is not None:

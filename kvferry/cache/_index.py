@@ -179,6 +179,10 @@ class KeyIndex:
         length, other = self.key_len, self._other
         return [self._find((k,))[0] if len(k) == length else other.get(k, NO_SLOT) for k in keys]
 
+    def find_array(self, keys: Sequence[bytes]) -> I64:
+        """:meth:`find` as an int64 array."""
+        return np.array(self.find(keys), np.int64)
+
     def find_one(self, key: bytes) -> int | None:
         slot = self._find((key,))[0]
         return None if slot < 0 else slot
@@ -364,6 +368,10 @@ class DictIndex:
 
     def find(self, keys: Sequence[bytes]) -> list[int]:
         return list(map(self._slot_of.get, keys, repeat(NO_SLOT)))
+
+    def find_array(self, keys: Sequence[bytes]) -> I64:
+        """:meth:`find` as an int64 array, with no list between."""
+        return np.fromiter(map(self._slot_of.get, keys, repeat(NO_SLOT)), np.int64, len(keys))
 
     def find_one(self, key: bytes) -> int | None:
         return self._slot_of.get(key)

@@ -78,8 +78,10 @@ def _compile(numba: Any) -> SimpleNamespace:
     types = {
         "state": t.Array(t.int8, 1, "C"),
         "pins": t.Array(t.int32, 1, "C"),
+        "released": t.Array(t.uint32, 1, "C"),
         "int64": t.int64,
         "boolean": t.boolean,
+        "none": t.none,
         "slots": slots,
         "two slots": t.Tuple((slots, slots)),
     }
@@ -202,8 +204,37 @@ def _compile(numba: Any) -> SimpleNamespace:
                     return False
         return True
 
+    @njit(sigs("boolean", "slots"))
+    def any_present(found: Any) -> bool:
+        """Whether any of ``found`` is a slot (not -1, absent)."""
+        for s in found:
+            if s >= 0:
+                return True
+        return False
+
+    @njit(sigs("none", "state", "slots", "int64"))
+    def set_state(state: Any, slots: Any, value: int) -> None:
+        """``state[slots] = value``, without numpy's fancy-index call."""
+        for s in slots:
+            state[s] = value
+
+    @njit(sigs("int64", "released", "slots", "int64"))
+    def absent_if_current(released_at: Any, slots: Any, epoch: int) -> int:
+        """How many of ``slots`` are -1 (absent), if none of the others was released after
+        ``epoch``; else -1."""
+        absent = 0
+        for s in slots:
+            if s < 0:
+                absent += 1
+            elif released_at[s] > epoch:
+                return -1
+        return absent
+
     return SimpleNamespace(
         leading_ready=leading_ready,
+        absent_if_current=absent_if_current,
+        any_present=any_present,
+        set_state=set_state,
         lease_leading=lease_leading,
         pin_if_all_ready=pin_if_all_ready,
         unpin_ready=unpin_ready,

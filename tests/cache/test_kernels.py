@@ -5,8 +5,10 @@ seeded histories — lookups, leases, loads, stores completed ok or failed, touc
 discards, evictions, resets, and calls that break an invariant (an unpin too many, a
 store completed twice, slots out of range) — and must answer every call alike, tell their
 policies the same, and end in the same state: slot states, pins, statistics, events,
-invariant errors. Then each
-kernel's contract on its own: it does the whole job or changes nothing.
+invariant errors. The compiled one also keeps its requests' lookups for their touches (as
+it does from a million slots): a touch from a lookup kept must tell the policy what one
+resolving its keys again tells it. Then each kernel's contract on its own: it does the
+whole job or changes nothing.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvferry.cache import Directory, _kernels
+from kvferry.cache import Directory, _directory, _kernels
 from kvferry.cache._directory import READY, STORING
 from kvferry.cache._testing import key
 
@@ -51,20 +53,38 @@ class _Recorded:
         return call
 
 
-def _history(policy: str, watermarks: tuple[float, float], seed: int) -> None:
+def _history(
+    policy: str, watermarks: tuple[float, float], seed: int, keep: bool, monkeypatch: Any
+) -> None:
     rng = np.random.default_rng(seed)
+    if keep:
+        monkeypatch.setattr(_directory, "_KEEP_LOOKUPS_FROM", 0)
     pair = [
         Directory(24, policy=policy, watermarks=watermarks, events=True, compiled=c)
         for c in (True, False)
     ]
     assert pair[0]._k is not None and pair[1]._k is None
+    assert pair[0]._keeps == keep and not pair[1]._keeps
+    kept = [0]
+    found_at_end = pair[0]._found_at_end
+
+    def counted(keys: Any) -> Any:
+        out = found_at_end(keys)
+        kept[0] += out is not None
+        return out
+
+    pair[0]._found_at_end = counted  # type: ignore[method-assign]
+    if keep and rng.random() < 0.5:  # the release counter passes its bound on the way
+        pair[0]._epoch = _directory._EPOCH_MAX - 3
     logs: list[list[Any]] = [[], []]
     for d, log in zip(pair, logs, strict=True):
         d.policy = _Recorded(d.policy, log)  # type: ignore[assignment]
+        d._touch_found = getattr(d.policy, "touch_found", None)  # LRU's, recorded too
     stores: list[Any] = []  # slots of stores in flight (the same in both)
     pins: list[Any] = []  # slots pinned by loads and leases
+    running: list[Any] = []  # requests' keys, touched when they end
     for _ in range(400):
-        op = int(rng.integers(0, 11))
+        op = int(rng.integers(0, 13))
         keys = [key(int(i)) for i in rng.integers(0, 60, size=int(rng.integers(1, 10)))]
         if op == 0:
             _same(*(d.lookup(keys) for d in pair))
@@ -110,6 +130,29 @@ def _history(policy: str, watermarks: tuple[float, float], seed: int) -> None:
             _same(*(d.evict(most) for d in pair))
         elif op == 10 and rng.random() < 0.05:
             _same(*(d.reset() for d in pair))
+        elif op == 11:  # a request: its lookup (and lease), its load, its store
+            leased = bool(rng.random() < 0.5)
+            if leased:
+                got = [d.lookup_and_lease(keys) for d in pair]
+                _same(*got)
+                n = len(got[0])
+            else:
+                n = pair[0].lookup(keys)
+                _same(n, pair[1].lookup(keys))
+            if n and rng.random() < 0.8:
+                loads = [d.prepare_load(keys[:n]) for d in pair]
+                _same(*loads)
+                pins.append(loads[0])
+            if leased:
+                pins.append(got[0])
+            got = [d.prepare_store(keys[n:]) for d in pair]
+            _same(*got)
+            stores.append(got[0][got[0] >= 0])
+            running.append(tuple(keys))
+        elif op == 12 and running:  # one ends: its touch (the same keys, a new tuple)
+            keys = list(running.pop(int(rng.integers(0, len(running)))))
+            for d in pair:
+                d.touch(tuple(keys))
     # Everything evictable, evicted: the same victims in the same order (the policies
     # learned the same from what each path handed them).
     _same(*(d._evict(d.num_slots, None) for d in pair))
@@ -120,16 +163,80 @@ def _history(policy: str, watermarks: tuple[float, float], seed: int) -> None:
     assert a.take_events() == b.take_events()
     assert a.invariant_errors == b.invariant_errors > 0  # the bad calls were made
     assert len(logs[0]) > 20 and logs[0] == logs[1]  # the policy was told the same
+    assert (kept[0] > 5) == keep  # touches came from lookups kept (where they are kept)
 
 
 @needs_numba
 @pytest.mark.parametrize("policy", ["lru", "arc", "s3fifo"])
 @pytest.mark.parametrize("watermarks", [(1.0, 1.0), (0.6, 0.8)])
 @pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("keep", [False, True], ids=["resolve", "keep"])
 def test_compiled_and_python_loops_answer_alike(
-    policy: str, watermarks: tuple[float, float], seed: int
+    policy: str, watermarks: tuple[float, float], seed: int, keep: bool, monkeypatch: Any
 ) -> None:
-    _history(policy, watermarks, seed)
+    _history(policy, watermarks, seed, keep, monkeypatch)
+
+
+def _duplicate_in_a_store(d: Directory) -> None:
+    """A request names a key twice: its store takes it once; the touch finds it twice."""
+    keys = (key(1), key(2), key(1), key(3))
+    assert d.lookup(keys) == 0
+    slots = d.prepare_store(keys)
+    d.complete_store(slots[slots >= 0], True)
+    d.touch(keys)
+
+
+def _stored_by_another(d: Directory) -> None:
+    """What a request did not find was stored by another one before it ended."""
+    first = (key(1), key(2), key(3))
+    second = (key(1), key(2), key(4))
+    assert d.lookup(first) == 0
+    d.lookup(second)
+    slots = d.prepare_store(second)
+    d.complete_store(slots, True)
+    d.touch(first)
+
+
+def _hit_evicted_by_its_own_store(d: Directory) -> None:
+    """A request's hit, neither loaded nor leased, is evicted to make room for the rest
+    of its keys (the directory is full): its slots hold other keys at its end."""
+    old = [key(100 + i) for i in range(4)]
+    for part in (old[:2], old[2:]):  # its hit, the oldest
+        slots = d.prepare_store(part)
+        d.complete_store(slots, True)
+    keys = (*old[:2], *(key(i) for i in range(4)))
+    n = d.lookup(keys)
+    assert n == 2
+    slots = d.prepare_store(keys[n:])
+    assert (slots >= 0).all()
+    d.complete_store(slots, True)
+    assert d.slot_of(old[0]) is None  # its hit was evicted
+    d.touch(keys)
+
+
+@needs_numba
+@pytest.mark.parametrize("policy", ["lru", "arc", "s3fifo"])
+@pytest.mark.parametrize(
+    "story", [_duplicate_in_a_store, _stored_by_another, _hit_evicted_by_its_own_store]
+)
+def test_a_lookup_kept_is_trusted_only_while_it_holds(
+    policy: str, story: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each way a kept lookup goes stale between a request's lookup and its end: the
+    touch tells the policy what resolving the keys again tells it."""
+    monkeypatch.setattr(_directory, "_KEEP_LOOKUPS_FROM", 0)
+    pair = [Directory(6, policy=policy, watermarks=(1.0, 1.0), compiled=c) for c in (True, False)]
+    assert pair[0]._keeps and not pair[1]._keeps
+    logs: list[list[Any]] = [[], []]
+    for d, log in zip(pair, logs, strict=True):
+        d.policy = _Recorded(d.policy, log)  # type: ignore[assignment]
+        d._touch_found = getattr(d.policy, "touch_found", None)  # LRU's, recorded too
+    kept = pair[0]._recent
+    for d in pair:
+        story(d)
+    assert logs[0] == logs[1]
+    assert len(kept) <= 1  # the touch took its request's lookup kept
+    assert any(name == "touch" or name == "touch_found" for name, _ in logs[0])
 
 
 @needs_numba
@@ -158,6 +265,10 @@ def test_a_kernel_that_fails_changes_nothing() -> None:
     assert kernels.leading_ready(state, frozen) == 3
     absent, ready = kernels.absent_and_ready(state, np.array([-1, 1, 4, -1], np.int64))
     assert absent.tolist() == [0, 3] and ready.tolist() == [1]
+    released_at = np.array([0, 5, 2, 0, 0, 0, 0, 0], np.uint32)
+    found = np.array([2, -1, 3, -1], np.int64)
+    assert kernels.absent_if_current(released_at, found, 2) == 2
+    assert kernels.absent_if_current(released_at, np.append(found, 1), 4) == -1
 
 
 def test_compiled_true_without_numba_names_what_is_missing(

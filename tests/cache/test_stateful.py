@@ -15,11 +15,20 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvferry.cache import BlocksRemoved, BlocksStored, Directory, KVEvent, replay
+from kvferry.cache import (
+    BlocksRemoved,
+    BlocksStored,
+    Directory,
+    KVEvent,
+    _directory,
+    _kernels,
+    replay,
+)
 from kvferry.cache._testing import ModelDirectory, key
 
 CAPACITY = 5
@@ -69,20 +78,29 @@ class DirectoryMachine(RuleBasedStateMachine):
     store_threshold: int = 1
     check_lru_order: bool = False
     compiled: bool | None = None  # the compiled loops where numba is installed
+    keep_lookups: bool = False  # requests' lookups kept for their touch (from 1M slots)
 
     def __init__(self) -> None:
         super().__init__()
-        self.d = Directory(
-            CAPACITY,
-            policy=self.policy,
-            watermarks=self.watermarks,
-            store_threshold=self.store_threshold,
-            events=True,
-            compiled=self.compiled,
-        )
+        threshold = _directory._KEEP_LOOKUPS_FROM
+        if self.keep_lookups:
+            _directory._KEEP_LOOKUPS_FROM = 0
+        try:
+            self.d = Directory(
+                CAPACITY,
+                policy=self.policy,
+                watermarks=self.watermarks,
+                store_threshold=self.store_threshold,
+                events=True,
+                compiled=self.compiled,
+            )
+        finally:
+            _directory._KEEP_LOOKUPS_FROM = threshold
+        assert self.d._keeps == self.keep_lookups
         self.model = ModelDirectory(CAPACITY, store_threshold=self.store_threshold)
         self.loads: list[Any] = []
         self.stores: list[Any] = []
+        self.running: list[list[bytes]] = []  # requests' keys, touched when they end
         self.events: list[KVEvent] = []
 
     def _take(self) -> tuple[list[bytes], list[bytes]]:
@@ -118,6 +136,13 @@ class DirectoryMachine(RuleBasedStateMachine):
         if n:
             self.prepare_load(keys[:n])
         self.prepare_store(keys[n:])
+        self.running.append(keys)
+
+    @precondition(lambda self: self.running)
+    @rule(i=st.integers(0, 100))
+    def request_ends(self, i: int) -> None:
+        """A request ends: the touch of its keys (its lookup's, where they are kept)."""
+        self.touch(self.running.pop(i % len(self.running)))
 
     @precondition(lambda self: self.model.visible())
     @rule(data=st.data())
@@ -234,3 +259,11 @@ TestARCInPython = machine(policy="arc", compiled=False).TestCase
 TestS3FIFOWatermarksInPython = machine(
     policy="s3fifo", watermarks=(0.5, 0.8), compiled=False
 ).TestCase
+# Requests' lookups kept for their touches (the compiled loops do that from a million slots).
+needs_numba = pytest.mark.skipif(_kernels.load() is None, reason="numba is not installed")
+TestLRUExactKeepingLookups = needs_numba(
+    machine(policy="lru", check_lru_order=True, compiled=True, keep_lookups=True).TestCase
+)
+TestARCKeepingLookups = needs_numba(
+    machine(policy="arc", compiled=True, keep_lookups=True).TestCase
+)
