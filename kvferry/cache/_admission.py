@@ -44,11 +44,13 @@ def check_store_threshold(threshold: int) -> int:
 class AdmissionFilter:
     """Admits a key at its ``threshold``-th offer; counts the refusals in ``skipped``."""
 
-    def __init__(self, threshold: int, tracker_size: int = 64_000) -> None:
+    def __init__(
+        self, threshold: int, tracker_size: int = 64_000, *, compiled: bool | None = None
+    ) -> None:
         self.threshold = check_store_threshold(threshold)
         if tracker_size < 1:
             raise ConfigError("store_threshold_tracker_size", f"must be >= 1, got {tracker_size}")
-        self._counts = FingerprintQueue(tracker_size, payload=True)
+        self._counts = FingerprintQueue(tracker_size, payload=True, compiled=compiled)
         self.skipped = 0
 
     def offer(self, tags: I64) -> npt.NDArray[np.bool_]:

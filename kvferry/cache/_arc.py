@@ -47,13 +47,14 @@ class ARCPolicy:
     tags_in_batches = True
     """Tags are read only at an eviction (ghosts): the directory hashes keys then."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, *, compiled: bool | None = None) -> None:
         self.capacity = capacity
         self._lists = RecencyLists(capacity, 2)
         self.p = 0.0
         """Target size of T1."""
-        self._b1 = GhostQueue(capacity)
-        self._b2 = GhostQueue(capacity)
+        # ``compiled``: the ghost lists' tag tables (:class:`~kvferry.cache._table.TagTable`).
+        self._b1 = GhostQueue(capacity, compiled=compiled)
+        self._b2 = GhostQueue(capacity, compiled=compiled)
         self._misses: list[I64] = []
         self._missed = 0
         self._c = {"ghost_hits_b1": 0, "ghost_hits_b2": 0}

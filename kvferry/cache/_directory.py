@@ -126,7 +126,8 @@ class Directory:
     the CPU time per request on the 2-core machine: ``benchmarks/bookkeeping.py``; for a
     tier of millions of blocks).
 
-    ``compiled``: the per-request calls' passes over their slots compiled with numba
+    ``compiled``: the per-request calls' passes over their slots, and the policy's ghost
+    lists' tag tables, compiled with numba
     (:mod:`~kvferry.cache._kernels`; None: where numba is installed, unless
     ``KVFERRY_JIT=0``; True: numba is required); else, and for every call a compiled pass
     leaves to it (an invariant broken, a slot dropped by a reset), they loop in Python
@@ -156,21 +157,23 @@ class Directory:
         check_store_threshold(store_threshold)
         self.num_slots = num_slots
         # The per-request loops over slots, compiled (numba) or None: in Python.
-        self._k = _kernels.load() if compiled or (compiled is None and _kernels.wanted()) else None
-        if compiled and self._k is None:
-            raise ValueError(
-                "compiled=True needs numba (pip install 'kvferry[jit]'), which is not "
-                "installed or failed to compile the directory's loops (see the log)"
-            )
+        self._k = _kernels.choose(compiled)
         self.low, self.high = check_watermarks(watermarks)
         # LRU's order: an OrderedDict where a store evicts its few blocks inline (the
         # connector's watermarks (1, 1)); numpy logs for the evictor's large batches and
         # for millions of slots (the compact index's, or any from _LOG_ORDER_FROM).
         inline = self.high >= 1.0 and index == "dict" and num_slots < _LOG_ORDER_FROM
-        self.policy = make_policy(policy, num_slots, lru_order="dict" if inline else "log")
+        self.policy = make_policy(
+            policy,
+            num_slots,
+            lru_order="dict" if inline else "log",
+            compiled=self._k is not None,  # its ghost lists' tables
+        )
         self.store_threshold = store_threshold
         self._admission = (
-            AdmissionFilter(store_threshold, tracker_size) if store_threshold > 1 else None
+            AdmissionFilter(store_threshold, tracker_size, compiled=self._k is not None)
+            if store_threshold > 1
+            else None
         )
         self._index: KeyIndex | DictIndex = (
             KeyIndex(num_slots) if index == "compact" else DictIndex(num_slots)

@@ -168,11 +168,17 @@ def builtin_policies() -> dict[str, type[EvictionPolicy]]:
 
 
 def make_policy(
-    spec: str | EvictionPolicy, capacity: int, *, lru_order: LRUOrder = "dict"
+    spec: str | EvictionPolicy,
+    capacity: int,
+    *,
+    lru_order: LRUOrder = "dict",
+    compiled: bool | None = None,
 ) -> EvictionPolicy:
     """A policy from ``spec``: a built-in name (``"lru"``, ``"arc"``, ``"s3fifo"``), an
     import path ``"package.module:Class"`` (built with ``Class(capacity)``), or an instance.
-    ``lru_order``: where the built-in LRU keeps its order (:class:`LRUPolicy`).
+    ``lru_order``: where the built-in LRU keeps its order (:class:`LRUPolicy`);
+    ``compiled``: whether ARC's and S3-FIFO's ghost lists run compiled (numba; the
+    directory's ``compiled``).
 
     Raises :class:`~kvferry.ConfigError` (key ``eviction_policy``) naming what is wrong.
     """
@@ -200,6 +206,8 @@ def make_policy(
     try:
         if cls is LRUPolicy:
             policy: Any = LRUPolicy(capacity, order=lru_order)
+        elif cls in builtins.values():
+            policy = cls(capacity, compiled=compiled)  # type: ignore[call-arg]
         else:
             policy = cls(capacity)  # type: ignore[call-arg]
     except Exception as exc:

@@ -82,13 +82,13 @@ class S3FIFOPolicy:
     small_share = 0.1
     """Share of the capacity S may hold before eviction takes from M instead."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, *, compiled: bool | None = None) -> None:
         self.capacity = capacity
         self._queue = np.zeros(capacity, np.int8)
         self._freq = np.zeros(capacity, np.int8)
         self._s = _Ring(capacity)
         self._m = _Ring(capacity)
-        self._ghost = GhostQueue(capacity)
+        self._ghost = GhostQueue(capacity, compiled=compiled)  # (its tag table's)
         # The hot path logs; _apply() replays the log in bulk before a decision.
         self._unplaced: list[tuple[I64, I64]] = []
         self._reused: list[I64] = []

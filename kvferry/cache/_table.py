@@ -36,9 +36,11 @@ from itertools import compress, repeat
 import numpy as np
 import numpy.typing as npt
 
+from . import _kernels
+
 I64 = npt.NDArray[np.int64]
 
-WIDTH = 8
+WIDTH = _kernels.WIDTH
 """Entries per bucket."""
 
 _BYTES = 0x0101010101010101
@@ -81,7 +83,9 @@ class TagTable:
     Duplicate tags are allowed; :meth:`find` returns one of them.
     """
 
-    def __init__(self, capacity: int, *, max_load: float = 0.5) -> None:
+    def __init__(
+        self, capacity: int, *, max_load: float = 0.5, compiled: bool | None = None
+    ) -> None:
         if capacity <= 0 or not 0 < max_load <= 1:
             raise ValueError(f"need capacity > 0 and 0 < max_load <= 1: {capacity}, {max_load}")
         # Any bucket count (a modulo, not a mask): no power-of-two rounding of the memory.
@@ -92,6 +96,10 @@ class TagTable:
         self._vals = np.full((nb, WIDTH), -1, np.int32)
         self._over = np.zeros(nb, np.int32)
         self.size = 0
+        # Insert, find, contains and remove compiled (numba) where the owner's
+        # ``compiled`` says so: one pass per tag instead of numpy's passes per round.
+        self._k = _kernels.choose(compiled)
+        self._ft, self._fv = self._tags.reshape(-1), self._vals.reshape(-1)
 
     @property
     def num_buckets(self) -> int:
@@ -116,6 +124,9 @@ class TagTable:
         calls (one probe round almost always; the column only of tags found)."""
         if not self.size:
             return np.zeros(len(tags), np.bool_)
+        if self._k is not None:
+            out: npt.NDArray[np.bool_] = self.find(tags) >= 0
+            return out
         home = self.home(tags)
         tags2 = tags[:, None]
         hit: npt.NDArray[np.bool_] = (self._rows(home) == tags2).view("<u8").ravel() != 0
@@ -133,6 +144,10 @@ class TagTable:
         """Flat position of each tag, -1 where absent."""
         if not self.size:
             return np.full(len(tags), -1, np.int64)
+        if self._k is not None:
+            found = np.empty(len(tags), np.int64)
+            self._k.table_find(self._ft, self._over, self._nb, tags, found)
+            return found
         home = self.home(tags)
         hit, col = _first_set(self._rows(home) == tags[:, None])
         pos: I64 = home * WIDTH + col
@@ -164,6 +179,13 @@ class TagTable:
         n = len(tags)
         if self.size + n > self.capacity:
             raise OverflowError(f"TagTable of {self.capacity} entries: {self.size} + {n}")
+        if self._k is not None:
+            placed = np.empty(n, np.int64)
+            if vals.ndim == 0:
+                vals = np.full(n, vals, np.int32)
+            self._k.table_insert(self._ft, self._fv, self._over, self._nb, tags, vals, placed)
+            self.size += n
+            return placed
         bucket = self.home(tags)
         pos = np.empty(n, np.int64)
         todo = np.arange(n)
@@ -207,6 +229,11 @@ class TagTable:
         """Empty the entries at flat positions ``pos`` (each live, each once)."""
         if not len(pos):
             return
+        if self._k is not None:
+            if not self._k.table_remove(self._ft, self._fv, self._over, self._nb, pos):
+                raise KeyError("TagTable.remove_at of an empty entry")
+            self.size -= len(pos)
+            return
         flat_tags = self._tags.reshape(-1)
         tags = flat_tags[pos]
         if not (tags != 0).all():
@@ -245,11 +272,18 @@ class FingerprintQueue:
     """
 
     def __init__(
-        self, capacity: int, *, payload: bool = False, initial: int = 1024, max_load: float = 0.6
+        self,
+        capacity: int,
+        *,
+        payload: bool = False,
+        initial: int = 1024,
+        max_load: float = 0.6,
+        compiled: bool | None = None,
     ) -> None:
         if capacity <= 0:
             raise ValueError(f"capacity must be > 0, got {capacity}")
         self.capacity = capacity
+        self._compiled = compiled  # its tables' (TagTable)
         self._max_load = max_load
         self._has_payload = payload
         self.size = 0  # live members
@@ -261,7 +295,7 @@ class FingerprintQueue:
         self._ring = np.zeros(self._ring_size, np.int64)  # tag, 0 for a hole
         self._where = np.zeros(self._ring_size, np.int64)  # its position in the table
         self._payload = np.zeros(self._ring_size if self._has_payload else 0, np.int32)
-        self._table = TagTable(room + 1, max_load=self._max_load)
+        self._table = TagTable(room + 1, max_load=self._max_load, compiled=self._compiled)
         self._head = 0  # ring index of the oldest entry
         self._len = 0  # ring entries from head, holes included
 
@@ -381,11 +415,18 @@ class GhostQueue:
     """A push of more tags goes to the queue at once (a numpy call costs less than a
     dict update of that many)."""
 
-    def __init__(self, capacity: int, *, fresh: int = 4096, max_load: float = 0.4) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        fresh: int = 4096,
+        max_load: float = 0.4,
+        compiled: bool | None = None,
+    ) -> None:
         if capacity <= 0:
             raise ValueError(f"capacity must be > 0, got {capacity}")
         self.capacity = capacity
-        self._queue = FingerprintQueue(capacity, max_load=max_load)
+        self._queue = FingerprintQueue(capacity, max_load=max_load, compiled=compiled)
         self._fresh: dict[int, None] = {}
         self._room = max(1, min(fresh, capacity // 4))
         self._owed = 0  # the queue's oldest members that are no longer members

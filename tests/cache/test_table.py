@@ -1,14 +1,29 @@
-"""The numpy tag table and fingerprint queue against dicts, including bucket overflow."""
+"""The tag table and fingerprint queue against dicts, including bucket overflow: in numpy,
+and compiled (numba, where installed)."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvferry.cache import _kernels
 from kvferry.cache._table import WIDTH, FingerprintQueue, GhostQueue, TagTable
+
+both = pytest.mark.parametrize(
+    "compiled",
+    [
+        pytest.param(False, id="numpy"),
+        pytest.param(
+            True,
+            id="compiled",
+            marks=pytest.mark.skipif(_kernels.load() is None, reason="numba is not installed"),
+        ),
+    ],
+)
 
 SETTINGS = settings(max_examples=80, derandomize=True, database=None, deadline=None)
 
@@ -17,10 +32,11 @@ def tags(values: list[int]) -> np.ndarray:
     return np.asarray(values, np.int64) | 1
 
 
+@both
 @SETTINGS
 @given(st.lists(st.tuples(st.booleans(), st.integers(0, 40)), max_size=120))
-def test_tag_table_maps_like_a_dict(ops: list[tuple[bool, int]]) -> None:
-    table = TagTable(32, max_load=1.0)  # 4 buckets of 8
+def test_tag_table_maps_like_a_dict(compiled: bool, ops: list[tuple[bool, int]]) -> None:
+    table = TagTable(32, max_load=1.0, compiled=compiled)  # 4 buckets of 8
     nb = table.num_buckets
 
     def tag_of(raw: int) -> int:
@@ -45,13 +61,16 @@ def test_tag_table_maps_like_a_dict(ops: list[tuple[bool, int]]) -> None:
         assert int(table._over.sum()) == 0
 
 
+@both
 @SETTINGS
 @given(st.lists(st.integers(1, 700), min_size=1, max_size=5), st.integers(0, 2**32 - 1))
-def test_batch_inserts_land_where_find_finds_them(batches: list[int], seed: int) -> None:
+def test_batch_inserts_land_where_find_finds_them(
+    compiled: bool, batches: list[int], seed: int
+) -> None:
     """Batches small and large (the sorted path with ties in a bucket, and spills) into a
     crowded table: every tag is found with its value, at the position insert returned."""
     rng = np.random.default_rng(seed)
-    table = TagTable(sum(batches), max_load=0.9)
+    table = TagTable(sum(batches), max_load=0.9, compiled=compiled)
     drawn = rng.choice(1 << 20, size=sum(batches), replace=False).astype(np.int64) << 1 | 1
     ref: dict[int, int] = {}
     start = 0
@@ -65,8 +84,9 @@ def test_batch_inserts_land_where_find_finds_them(batches: list[int], seed: int)
     assert table.contains(drawn).all() and table.size == len(ref)
 
 
-def test_a_batch_insert_into_one_bucket_spills_to_the_next() -> None:
-    table = TagTable(4 * WIDTH, max_load=1.0)
+@both
+def test_a_batch_insert_into_one_bucket_spills_to_the_next(compiled: bool) -> None:
+    table = TagTable(4 * WIDTH, max_load=1.0, compiled=compiled)
     nb = table.num_buckets
     same_home = tags([(i * nb) << 1 for i in range(WIDTH + 3)])
     table.insert(same_home, np.arange(len(same_home)))
@@ -76,14 +96,17 @@ def test_a_batch_insert_into_one_bucket_spills_to_the_next() -> None:
     assert (table.find(same_home[WIDTH:]) == -1).all()
 
 
+@both
 @SETTINGS
 @given(
     st.lists(
         st.tuples(st.sampled_from(["push", "discard", "trim"]), st.integers(1, 60)), max_size=80
     )
 )
-def test_fingerprint_queue_is_a_bounded_fifo_set(ops: list[tuple[str, int]]) -> None:
-    q = FingerprintQueue(20, payload=True, initial=4)
+def test_fingerprint_queue_is_a_bounded_fifo_set(
+    compiled: bool, ops: list[tuple[str, int]]
+) -> None:
+    q = FingerprintQueue(20, payload=True, initial=4, compiled=compiled)
     ref: OrderedDict[int, int] = OrderedDict()
     for op, v in ops:
         t = v * 2 + 1
@@ -107,6 +130,7 @@ def test_fingerprint_queue_is_a_bounded_fifo_set(ops: list[tuple[str, int]]) -> 
         assert members == dict(ref)
 
 
+@both
 @SETTINGS
 @given(
     st.integers(1, 40),
@@ -118,17 +142,17 @@ def test_fingerprint_queue_is_a_bounded_fifo_set(ops: list[tuple[str, int]]) -> 
     ),
 )
 def test_ghost_queue_answers_as_the_fingerprint_queue(
-    capacity: int, fresh: int, batch: int, ops: list[tuple[str, list[int]]]
+    compiled: bool, capacity: int, fresh: int, batch: int, ops: list[tuple[str, list[int]]]
 ) -> None:
     """Fresh pushes in a dict, owed trims, large pushes at once: every answer and size
-    is the plain queue's."""
-    ghost = GhostQueue(capacity, fresh=fresh)
+    is the plain queue's (in numpy)."""
+    ghost = GhostQueue(capacity, fresh=fresh, compiled=compiled)
     ghost.batch = batch
-    ref = FingerprintQueue(capacity, initial=4)
+    ref = FingerprintQueue(capacity, initial=4, compiled=False)
     for op, values in ops:
         batch = tags(values)
         if op == "push":
-            batch = tags(list(dict.fromkeys(values)))  # distinct, and not members
+            batch = tags(list(dict.fromkeys(v | 1 for v in values)))  # distinct, not members
             batch = batch[ref.find(batch) < 0]
             ghost.push(batch)
             ref.push(batch)
@@ -139,8 +163,9 @@ def test_ghost_queue_answers_as_the_fingerprint_queue(
     assert ghost.discard(probe).tolist() == (ref.find(probe) >= 0).tolist()
 
 
-def test_tag_table_contains_follows_overflow_chains() -> None:
-    table = TagTable(32, max_load=1.0)  # 4 buckets of 8
+@both
+def test_tag_table_contains_follows_overflow_chains(compiled: bool) -> None:
+    table = TagTable(32, max_load=1.0, compiled=compiled)  # 4 buckets of 8
     nb = table.num_buckets
     same_home = tags([(i * nb) << 1 for i in range(1, 2 * WIDTH + 3)])  # all in bucket 0
     table.insert(same_home, np.arange(len(same_home)))
@@ -148,3 +173,16 @@ def test_tag_table_contains_follows_overflow_chains() -> None:
     assert not table.contains(tags([(99 * nb) << 1, 7 << 1])).any()
     table.remove_at(table.find(same_home[:WIDTH]))
     assert table.contains(same_home).tolist() == [False] * WIDTH + [True] * (WIDTH + 2)
+
+
+@both
+def test_removing_an_empty_entry_is_refused_and_changes_nothing(compiled: bool) -> None:
+    table = TagTable(32, max_load=1.0, compiled=compiled)
+    nb = table.num_buckets
+    same_home = tags([(i * nb) << 1 for i in range(1, WIDTH + 3)])  # two spill over
+    pos = table.insert(same_home, np.arange(len(same_home)))
+    over = table._over.tolist()
+    with pytest.raises(KeyError):
+        table.remove_at(np.append(pos[-2:], pos[-1] + 1))  # the cell after the last: empty
+    assert table._over.tolist() == over and table.size == len(same_home)
+    assert table.values_at(table.find(same_home)).tolist() == list(range(len(same_home)))
