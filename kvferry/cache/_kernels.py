@@ -26,9 +26,9 @@ pushes and lookups. On the replay, ARC 0.379 -> 0.356 of vLLM's time and S3-FIFO
 0.352 (in one process, four runs each, seed 600). Their layout may differ from numpy's
 (a spilled tag can take a cell numpy gives a later one), never their answers.
 
-Compiled at first use in a process (about 3 s on the 2-core machine) and cached on disk
+Compiled at first use in a process (about 5 s on the 2-core machine) and cached on disk
 next to this module (numba's ``cache=True``; where that is read-only, in numba's per-user
-cache), so later processes load them in about 0.4 s, numba's import included.
+cache), so later processes load them in about 0.6 s, numba's import included.
 
 Who owns what: pure functions over the arrays the caller passes; nothing shared.
 """
