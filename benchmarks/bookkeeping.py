@@ -69,7 +69,15 @@ directory's per-request passes over slots compiled (numba; ``compiled=False`` ru
 Python loops beside them in the same replays), ``--runs 3 --skip-memory --skip-scaling``
 (seeds 600-602) on the quiet 2-core machine: ``ns_per_op_vs_vllm_arc`` 0.398
 (0.384-0.399) compiled against 0.441 (0.429-0.446) in Python, ``_lru`` 0.149
-(0.149-0.151) against 0.172 (0.169-0.172); hit rates unchanged.
+(0.149-0.151) against 0.172 (0.169-0.172); hit rates unchanged. Later, with the ghost
+lists' tag tables compiled too, a store's keys resolved straight into an array and its
+slots marked STORING compiled, and from 1M slots a request's lookup kept for its touch,
+the whole benchmark with ``--runs 3`` (seeds 600-602) on the 2-core machine, busier than
+before (vLLM's ns/op up 5-10%): ``ns_per_op_vs_vllm_arc`` 0.358 (0.358-0.371) against
+0.442 (0.416-0.450) in Python, ``_lru`` 0.135 (0.133-0.146) against 0.180
+(0.170-0.181), ``bytes_per_block_vs_vllm`` 0.409 (a release counter per slot from 1M
+slots), ``scaling_4m_vs_10k`` 1.540 (1.536-1.573; 1.470, 1.444-1.489, in a run of the
+scaling table alone with the kept lookups only); hit rates unchanged.
 ``--quick`` runs small traces and capacities (what the tests run).
 """
 
