@@ -15,11 +15,18 @@ ever searched for or unlinked.
   and puts the live ones it refused (pinned, protected) back at the old end, in their
   order: they are met again by the next eviction, and nothing about their age is lost.
   O(evicted + stale + refused) per call, never O(capacity).
-- A log whose end reaches its buffer is compacted (its live entries rewritten from the
-  start and renumbered), growing to twice its live entries when those fill more than half
-  of it: amortized O(1) per append, and memory follows the list's size (at most about
-  ``2 * capacity`` entries, 8 bytes a slot, plus 5 bytes a slot for ``member`` and
-  ``_pos``).
+- A log of 2**18 entries or more whose end reaches its buffer goes on in a new buffer
+  (about twice the list's live entries; a shorter one is compacted in one pass, a few ms
+  at most), and the old one is moved over a little at a time by later appends: its live
+  entries, newest first, into a space left free before the new buffer's first entry, a
+  few times as many entries as each append brings, so that the move ends long before
+  the new buffer fills. Pops read the old buffer first (it holds the oldest entries).
+  Never a pass over the whole log in one call (at 4M slots such a pass took 55 ms on the
+  2-core machine), amortized O(1) per append; memory follows the list's size (about
+  ``2 * capacity`` entries, 8 bytes a slot, twice that while a move is under way, plus 5
+  bytes a slot for ``member`` and ``_pos``). The buffers of successive generations are
+  numbered from 0 and from ``2**30`` in turn (``_pos`` holds the number), so an entry of
+  the old buffer is never taken for one of the new.
 
 Who owns what: an instance belongs to one policy (so to one directory) and is called
 from its owner's task only.
@@ -47,15 +54,27 @@ _STAY = 0
 """A recorded batch that only makes its member slots the newest of their own lists."""
 
 
+_HALF = 1 << 30
+"""The second generation's numbering starts here (a buffer holds at most this many)."""
+
+
 class _Log:
-    """One list's entries, oldest at ``head``, newest at ``tail - 1``."""
+    """One list's entries, oldest at ``head``, newest at ``tail - 1`` (indices into
+    ``buf``; entry ``i`` is numbered ``base + i`` in ``_pos``)."""
 
-    __slots__ = ("buf", "head", "tail")
+    __slots__ = ("base", "buf", "head", "tail")
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, base: int = 0, start: int = 0) -> None:
+        if size > _HALF:
+            raise OverflowError(f"a recency log of {size} entries (at most {_HALF})")
         self.buf: I32 = np.zeros(size, np.int32)
-        self.head = 0
-        self.tail = 0
+        self.base = base
+        self.head = start
+        self.tail = start
+
+    def numbers(self, start: int, n: int) -> I32:
+        """The numbers of entries ``start .. start + n - 1``."""
+        return np.arange(self.base + start, self.base + start + n, dtype=np.int32)
 
 
 class RecencyLists:
@@ -72,6 +91,13 @@ class RecencyLists:
     max_pending = 1 << 16
     """Recorded slots replayed at the latest after this many."""
 
+    move_from = 1 << 18
+    """A full log of this many entries or more goes on in a new buffer and is moved over
+    a little at a time; a shorter one is compacted in one pass (a few ms at most)."""
+
+    move_batch = 1 << 14
+    """Entries moved over at a time (each move is a few numpy calls)."""
+
     def __init__(self, capacity: int, lists: int = 1, *, initial: int = 4096) -> None:
         if capacity <= 0 or lists <= 0:
             raise ValueError(f"need capacity > 0 and lists > 0, got {capacity}, {lists}")
@@ -80,6 +106,11 @@ class RecencyLists:
         self._pos = np.full(capacity, -1, np.int32)
         self._initial = max(8, min(capacity, initial))
         self._logs = [_Log(self._initial) for _ in range(lists + 1)]  # [0] unused
+        # The previous buffer of each list, while its entries are being moved over, and
+        # how many of them each appended entry moves.
+        self._old: list[_Log | None] = [None] * (lists + 1)
+        self._rate = [0] * (lists + 1)
+        self._owed = [0] * (lists + 1)  # entries to move, not yet moved
         self._sizes = [0] * (lists + 1)
         self._pending: list[I64] = []
         self._codes: list[int] = []
@@ -153,35 +184,81 @@ class RecencyLists:
                 self._append(lst, slots[in_new])
 
     def _append(self, lst: int, slots: I64) -> None:
-        log = self._logs[lst]
         k = len(slots)
+        if self._old[lst] is not None:
+            self._owed[lst] += self._rate[lst] * k
+            if self._owed[lst] >= self.move_batch:  # a few numpy calls: not at every append
+                self._move(lst, self._owed[lst])
+                self._owed[lst] = 0
+        log = self._logs[lst]
         if log.tail + k > len(log.buf):
-            self._compact(lst, k)
+            if self._old[lst] is not None:  # (the rate makes this rare: what is left)
+                self._move(lst, _HALF)
+            if log.tail - log.head < self.move_from:
+                self._compact(lst, k)
+            else:
+                log = self._renew(lst, k)
         log.buf[log.tail : log.tail + k] = slots
-        self._pos[slots] = np.arange(log.tail, log.tail + k, dtype=np.int32)
+        self._pos[slots] = log.numbers(log.tail, k)
         log.tail += k
 
-    def _live(self, lst: int, start: int, entries: I32) -> Mask:
-        idx = np.arange(start, start + len(entries), dtype=np.int32)
-        live: Mask = (self.member[entries] == lst) & (self._pos[entries] == idx)
+    def _live(self, lst: int, log: _Log, start: int, entries: I32) -> Mask:
+        live: Mask = (self.member[entries] == lst) & (
+            self._pos[entries] == log.numbers(start, len(entries))
+        )
         return live
 
     def _compact(self, lst: int, room: int) -> None:
-        """Rewrite list ``lst``'s live entries from index 0, with ``room`` free after them."""
+        """Rewrite list ``lst``'s live entries from index 0, with ``room`` free after them
+        (a log shorter than :attr:`move_from`: one pass costs less than moving it over)."""
         log = self._logs[lst]
         entries = log.buf[log.head : log.tail]
-        keep = entries[self._live(lst, log.head, entries)]
+        keep = entries[self._live(lst, log, log.head, entries)]
         m = len(keep)
-        size = len(log.buf)
-        if 2 * (m + room) > size:
-            size = max(self._initial, 2 * (m + room))
-            buf: I32 = np.zeros(size, np.int32)
-            buf[:m] = keep
-            log.buf = buf
-        else:
-            log.buf[:m] = keep
-        self._pos[keep] = np.arange(m, dtype=np.int32)
+        if 2 * (m + room) > len(log.buf):
+            log.buf = np.zeros(max(self._initial, 2 * (m + room)), np.int32)
+            if len(log.buf) > _HALF:
+                raise OverflowError(f"a recency log of {len(log.buf)} entries (at most {_HALF})")
+        log.buf[:m] = keep
+        self._pos[keep] = log.numbers(0, m)
         log.head, log.tail = 0, m
+
+    def _renew(self, lst: int, room: int) -> _Log:
+        """A new buffer for list ``lst``, with ``room`` for the append that asked for it;
+        the full one becomes the old, moved over by the next appends."""
+        old = self._logs[lst]
+        # At most this many of the old entries are live: the space left before the new
+        # buffer's first entry for them (so that the old ones stay the oldest).
+        reserve = self._sizes[lst]
+        n_old = old.tail - old.head
+        size = max(self._initial, 2 * (reserve + room), reserve + n_old // 4 + room)
+        new = _Log(size, _HALF if old.base == 0 else 0, reserve)
+        self._logs[lst] = new
+        self._owed[lst] = 0
+        if n_old:
+            self._old[lst] = old
+            # Moved over by the time half the new buffer's space for appends is used.
+            free = size - reserve - room
+            self._rate[lst] = max(1, -(-2 * n_old // max(free, 1)))
+        return new
+
+    def _move(self, lst: int, count: int) -> None:
+        """Move up to ``count`` entries of the old buffer's young end over to the new
+        buffer, before its first entry (the live ones; the stale ones are dropped)."""
+        old, log = self._old[lst], self._logs[lst]
+        assert old is not None
+        lo = max(old.head, old.tail - count)
+        entries = old.buf[lo : old.tail]
+        keep = entries[self._live(lst, old, lo, entries)]
+        m = len(keep)
+        if m > log.head:  # cannot happen: the space was left for every live entry
+            raise AssertionError(f"recency log: {m} entries to move, room for {log.head}")
+        log.head -= m
+        log.buf[log.head : log.head + m] = keep
+        self._pos[keep] = log.numbers(log.head, m)
+        old.tail = lo
+        if old.tail <= old.head:
+            self._old[lst] = None
 
     # -- decisions ---------------------------------------------------------------------
 
@@ -199,39 +276,49 @@ class RecencyLists:
         found by their position alone where there is one list, and the refused ones
         gathered only when there are some."""
         self.flush()
-        log = self._logs[lst]
-        pos, buf = self._pos, log.buf
+        pos = self._pos
         one_list = len(self._sizes) == 2
         out: list[I64] = []
         held: list[I32] = []
         need = n
-        while need > 0 and log.head < log.tail:
-            start = log.head
-            span = min(log.tail - start, max(2 * need, 256))
-            entries = buf[start : start + span]
-            live = pos[entries] == np.arange(start, start + span, dtype=np.int32)
-            if not one_list:
-                live &= self.member[entries] == lst
-            at = live.nonzero()[0]
-            cand = entries[at].astype(np.int64)
-            ok = np.asarray(evictable(cand), np.bool_)
-            took = ok.nonzero()[0]
-            found = len(took)
-            if found >= need:  # stop right after the need-th: the rest stays for next time
-                last = int(took[need - 1])
-                span = int(at[last]) + 1
-                cand, ok, took = cand[: last + 1], ok[: last + 1], took[:need]
-                found = need
-            out.append(cand[took] if found < len(cand) else cand)
-            if found < len(cand):
-                held.append(cand[~ok].astype(np.int32))
-            need -= found
-            log.head = start + span
-        if held:  # back at the old end, in their order
+        old = self._old[lst]
+        logs = [self._logs[lst]] if old is None else [old, self._logs[lst]]
+        log = logs[0]
+        for log in logs:  # the old buffer's entries are the oldest
+            buf = log.buf
+            while need > 0 and log.head < log.tail:
+                start = log.head
+                span = min(log.tail - start, max(2 * need, 256))
+                entries = buf[start : start + span]
+                live = pos[entries] == log.numbers(start, span)
+                if not one_list:
+                    live &= self.member[entries] == lst
+                at = live.nonzero()[0]
+                cand = entries[at].astype(np.int64)
+                ok = np.asarray(evictable(cand), np.bool_)
+                took = ok.nonzero()[0]
+                found = len(took)
+                if found >= need:  # stop right after the need-th: the rest stays for next time
+                    last = int(took[need - 1])
+                    span = int(at[last]) + 1
+                    cand, ok, took = cand[: last + 1], ok[: last + 1], took[:need]
+                    found = need
+                out.append(cand[took] if found < len(cand) else cand)
+                if found < len(cand):
+                    held.append(cand[~ok].astype(np.int32))
+                need -= found
+                log.head = start + span
+            if need <= 0:
+                break
+            if log is old:  # read to its end: the new buffer holds the rest
+                self._old[lst] = None
+        if held:  # back at the old end (of the buffer the pop ended in), in their order
             refused = np.concatenate(held) if len(held) > 1 else held[0]
+            if len(refused) > log.head:  # cannot happen: see _renew's reserve
+                raise AssertionError(f"recency log: {len(refused)} back, room for {log.head}")
             log.head -= len(refused)
-            buf[log.head : log.head + len(refused)] = refused
-            pos[refused] = np.arange(log.head, log.head + len(refused), dtype=np.int32)
+            log.buf[log.head : log.head + len(refused)] = refused
+            pos[refused] = log.numbers(log.head, len(refused))
         if not out:
             return np.zeros(0, np.int64)
         victims = np.concatenate(out) if len(out) > 1 else out[0]
@@ -255,21 +342,27 @@ class RecencyLists:
     def order(self, lst: int) -> I64:
         """List ``lst``'s slots, oldest first (O(its log); for tests and statistics)."""
         self.flush()
-        log = self._logs[lst]
-        entries = log.buf[log.head : log.tail]
-        out: I64 = entries[self._live(lst, log.head, entries)].astype(np.int64)
+        parts = []
+        for log in (self._old[lst], self._logs[lst]):
+            if log is not None:
+                entries = log.buf[log.head : log.tail]
+                parts.append(entries[self._live(lst, log, log.head, entries)])
+        out: I64 = np.concatenate(parts).astype(np.int64)
         return out
 
     def clear(self) -> None:
         self.member.fill(NONE)
         self._pos.fill(-1)
         self._logs = [_Log(self._initial) for _ in self._logs]
+        self._old = [None] * len(self._logs)
+        self._owed = [0] * len(self._logs)
         self._sizes = [0] * len(self._sizes)
         self._pending, self._codes, self._pending_len = [], [], 0
 
     @property
     def nbytes(self) -> int:
-        return self.member.nbytes + self._pos.nbytes + sum(log.buf.nbytes for log in self._logs)
+        logs = [*self._logs, *(log for log in self._old if log is not None)]
+        return self.member.nbytes + self._pos.nbytes + sum(log.buf.nbytes for log in logs)
 
 
 class OrderedRecency:

@@ -266,9 +266,13 @@ class FingerprintQueue:
     """A FIFO set of at most ``capacity`` tags, each with an optional int32 payload.
 
     :meth:`push` appends at the young end; :meth:`trim` drops from the old end. Removing a
-    member (:meth:`discard`) leaves a hole in the ring that the old end skips; the ring is
-    compacted when holes fill it, so every operation is amortized O(1) per tag. Memory
-    follows the members: it starts small and doubles up to ``capacity``.
+    member (:meth:`discard`) leaves a hole in the ring that the old end skips; when holes
+    fill the ring, its members are rewritten from its start (:meth:`_squeeze`, the table
+    kept), so every operation is amortized O(1) per tag. Memory follows the members: it
+    starts small and doubles up to ``capacity`` (a new table, every tag entered again).
+    Both passes are over every member in one call: for a ghost list of 4M on the 2-core
+    machine, 160-370 ms for a squeeze (once per ~500k discards) and 580 ms for the last
+    doubling (once).
     """
 
     def __init__(
@@ -346,7 +350,7 @@ class FingerprintQueue:
         if self.size + n > self._room:
             self._compact(min(self.capacity, max(2 * self._room, self.size + n)))
         elif self._len + n > self._ring_size:
-            self._compact(self._room)
+            self._squeeze()
         idx = (self._head + self._len + np.arange(n)) % self._ring_size
         self._ring[idx] = tags
         if self._has_payload:
@@ -388,6 +392,21 @@ class FingerprintQueue:
                 self._payload[:n] = payload
             self._where[:n] = self._table.insert(tags, np.arange(n))
         self._len = self.size = n
+
+    def _squeeze(self) -> None:
+        """Rewrite the members, oldest first, from the ring's start, in the arrays they are
+        in (the holes discards left filled the ring): the table keeps its entries, only
+        their values (ring indices) change. No new table: a rebuild re-inserts every tag
+        (410 ms for a ghost list of 4M on the 2-core machine, against 57 ms)."""
+        idx = (self._head + np.arange(self._len)) % self._ring_size
+        idx = idx[self._ring[idx] != 0]
+        n = len(idx)
+        tags, where = self._ring[idx], self._where[idx]
+        self._ring[:n], self._where[:n] = tags, where
+        if self._has_payload:
+            self._payload[:n] = self._payload[idx]
+        self._table.set_values_at(where, np.arange(n))
+        self._head, self._len = 0, n
 
     def clear(self) -> None:
         self.size = 0

@@ -155,6 +155,99 @@ def test_recency_lists_compact_a_log_of_stale_entries() -> None:
     assert lists.order(1).tolist() == [1]
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize(
+    ("move_from", "move_batch"),
+    [(0, 1), (0, 40), (None, None)],
+    ids=["moved", "batches", "compacted"],
+)
+def test_recency_lists_move_a_full_log_over_a_little_at_a_time(
+    seed: int, move_from: int | None, move_batch: int | None
+) -> None:
+    """Two lists with small buffers, so that logs fill and go on in new buffers again and
+    again (the old one moved over by later appends, read first by pops, pops refused in
+    either): every order and every victim is a plain model's (an OrderedDict a list), and
+    no call passes over a whole log."""
+    from collections import OrderedDict
+
+    rng = np.random.default_rng(seed)
+    cap = 96
+    lists = RecencyLists(cap, 2, initial=8)
+    if move_from is not None and move_batch is not None:  # else: compacted in one pass
+        lists.move_from, lists.move_batch = move_from, move_batch
+    model: list[OrderedDict[int, None]] = [OrderedDict(), OrderedDict(), OrderedDict()]
+    where = np.zeros(cap, np.int64)  # the model's list of each slot (0: none)
+    renewals = crossings = 0
+    renew, move = lists._renew, lists._move
+    moved_most = [0]
+
+    def counted_renew(lst: int, room: int) -> Any:
+        nonlocal renewals
+        renewals += 1
+        return renew(lst, room)
+
+    def counted_move(lst: int, count: int) -> None:
+        old = lists._old[lst]
+        assert old is not None
+        moved_most[0] = max(moved_most[0], min(count, old.tail - old.head))
+        move(lst, count)
+
+    lists._renew = counted_renew  # type: ignore[method-assign]
+    lists._move = counted_move  # type: ignore[method-assign]
+
+    def newest(lst: int, batch: list[int]) -> None:
+        for slot in reversed(batch):  # the batch's head is its newest
+            model[where[slot]].pop(slot, None)
+            model[lst][slot] = None
+            where[slot] = lst
+
+    for _ in range(4000):
+        op = int(rng.integers(0, 5))
+        size = int(rng.integers(0, 10))
+        if op == 0:  # enter slots in no list
+            free = np.flatnonzero(where == 0)
+            batch = rng.permutation(free)[:size].astype(np.int64)
+            lst = int(rng.integers(1, 3))
+            lists.enter(batch, lst)
+            newest(lst, batch.tolist())
+        elif op == 1:  # promote (slots in no list ignored, a repeat keeps its first place)
+            batch = rng.integers(0, cap, size=size)
+            lst = int(rng.integers(1, 3))
+            lists.promote(batch, lst)
+            newest(lst, [s for s in dict.fromkeys(batch.tolist()) if where[s]])
+        elif op == 2:  # refresh
+            batch = rng.integers(0, cap, size=size)
+            lists.refresh(batch)
+            for s in reversed(list(dict.fromkeys(batch.tolist()))):
+                if where[s]:
+                    model[where[s]].move_to_end(s)
+        elif op == 3:  # pop, some refused
+            lst = int(rng.integers(1, 3))
+            refused = set(rng.integers(0, cap, size=int(rng.integers(0, 8))).tolist())
+            had_old = lists._old[lst] is not None
+            got = lists.pop(lst, size, evictable_except(*refused)).tolist()
+            crossings += had_old and lists._old[lst] is None
+            want = [s for s in model[lst] if s not in refused][:size]
+            assert got == want
+            for s in want:
+                del model[lst][s]
+                where[s] = 0
+        else:  # remove
+            batch = np.unique(rng.integers(0, cap, size=int(rng.integers(0, 4))))
+            lists.remove(batch)
+            for s in batch.tolist():
+                model[where[s]].pop(s, None)
+                where[s] = 0
+        for lst in (1, 2):
+            assert lists.order(lst).tolist() == list(model[lst])
+            assert lists.size(lst) == len(model[lst])
+    if move_from is None:
+        assert renewals == 0
+    else:  # the moves and the crossing pops were met; a few times an append's entries
+        assert renewals > 50 and crossings > 5
+        assert moved_most[0] <= 16 * 9 + (move_batch or 0)
+
+
 def test_ordered_recency_gives_the_recency_log_s_victims() -> None:
     """The host tier's LRU order (an OrderedDict) and the compact one (numpy logs) take
     the same victims through every kind of call, refused candidates included."""

@@ -186,3 +186,40 @@ def test_removing_an_empty_entry_is_refused_and_changes_nothing(compiled: bool) 
         table.remove_at(np.append(pos[-2:], pos[-1] + 1))  # the cell after the last: empty
     assert table._over.tolist() == over and table.size == len(same_home)
     assert table.values_at(table.find(same_home)).tolist() == list(range(len(same_home)))
+
+
+@both
+def test_a_ring_full_of_holes_is_squeezed_in_place(compiled: bool) -> None:
+    """Discards from the middle leave holes until the ring is full of them: the members
+    are rewritten from the ring's start, in the same table, and every answer stays."""
+    q = FingerprintQueue(16, payload=True, initial=16, compiled=compiled)
+    ref: OrderedDict[int, int] = OrderedDict()
+    table = q._table
+    squeezed = 0
+    squeeze = q._squeeze
+
+    def counted() -> None:
+        nonlocal squeezed
+        squeezed += 1
+        squeeze()
+
+    q._squeeze = counted  # type: ignore[method-assign]
+    nxt = 0
+    for step in range(60):
+        batch = [2 * (nxt + i) + 1 for i in range(2)]
+        nxt += 2
+        q.push(tags(batch), [b % 1000 for b in batch])
+        for b in batch:
+            ref[b] = b % 1000
+        while len(ref) > 16:
+            ref.popitem(last=False)
+        if step >= 8:  # two members from the middle
+            middle = list(ref)[4:6]
+            assert q.discard(tags(middle)).all()
+            for m in middle:
+                del ref[m]
+        members = tags(list(ref))
+        idx = q.find(members)
+        assert (idx >= 0).all() and q.payload(idx).tolist() == list(ref.values())
+        assert len(q) == len(ref)
+    assert squeezed >= 2 and q._table is table  # squeezed, never rebuilt
