@@ -111,6 +111,16 @@ _EPOCH_MAX = 0xFFFF_FFFF
 _log = get_logger("kvferry.cache")
 
 
+class _Kept:
+    """A request's lookup kept for its touch: its keys, their slots (-1: absent), and the
+    release counter and the inserts when they were right."""
+
+    __slots__ = ("epoch", "found", "inserts", "keys")
+
+    def __init__(self, keys: tuple[Key, ...], found: I64, epoch: int, inserts: int) -> None:
+        self.keys, self.found, self.epoch, self.inserts = keys, found, epoch, inserts
+
+
 class Directory:
     """Key → slot bookkeeping with pins, admission, a pluggable eviction policy and events.
 
@@ -191,9 +201,9 @@ class Directory:
         # the lookup found is still right where none of its slots was released since
         # (``_released_at``: the release counter's value at each slot's last release),
         # and what it did not find where no key was inserted since (``_inserts``).
-        # {last key: [keys, slots found (-1: absent), release epoch, inserts]}.
-        self._recent: dict[Key, list[object]] = {}
-        self._last_rec: list[object] | None = None  # the one of the batch in _last
+        # By the request's last key.
+        self._recent: dict[Key, _Kept] = {}
+        self._last_rec: _Kept | None = None  # the one of the batch in _last
         self._inserts = 0
         self._epoch = 0
         self._keeps = self._k is not None and num_slots >= _KEEP_LOOKUPS_FROM
@@ -249,11 +259,10 @@ class Directory:
             self._resolved(keys, found, None)
             return found
         slots, whole = self._last[2], self._last_array
-        if slots is None:  # resolved as an array
-            assert whole is not None
-            out: list[int] = whole[at].tolist()
-            return out
-        return slots[at]
+        if slots is not None:
+            return slots[at]
+        out: list[int] = whole[at].tolist() if whole is not None else self._index.find(keys)
+        return out  # (resolved as an array: it is always there)
 
     def _find_array(self, keys: Sequence[Key]) -> I64:
         """:meth:`_find` as an int64 array (what the compiled loops take), from the same
@@ -303,7 +312,7 @@ class Directory:
         if not k:
             return
         batch = keys if isinstance(keys, tuple) else tuple(keys)
-        rec: list[object] = [batch, found.copy(), self._epoch, self._inserts]
+        rec = _Kept(batch, found.copy(), self._epoch, self._inserts)
         recent = self._recent
         recent[batch[-1]] = rec
         if len(recent) > _RECENT:
@@ -319,8 +328,7 @@ class Directory:
         rec = self._recent.pop(keys[-1], None) if keys else None
         if rec is None or k is None:  # (k: always there where lookups are kept)
             return None
-        batch, found, epoch, inserts = rec
-        assert isinstance(found, np.ndarray) and isinstance(epoch, int)
+        batch, found, epoch, inserts = rec.keys, rec.found, rec.epoch, rec.inserts
         if not (batch is keys or batch == (keys if isinstance(keys, tuple) else tuple(keys))):
             return None
         absent = k.absent_if_current(self._released_at, found, epoch)
@@ -339,12 +347,10 @@ class Directory:
         self._last_rec = None
         if rec is None or self._k is None:
             return
-        found = rec[1]
-        epoch = rec[2]
-        assert isinstance(found, np.ndarray) and isinstance(epoch, int)
+        found, epoch = rec.found, rec.epoch
         if epoch != self._epoch and self._k.absent_if_current(self._released_at, found, epoch) < 0:
             # The store's eviction took one of the slots the lookup found: dropped.
-            last = rec[0][-1]  # type: ignore[index]
+            last = rec.keys[-1]
             if self._recent.get(last) is rec:
                 del self._recent[last]
             return
@@ -353,9 +359,9 @@ class Directory:
             found[at : at + m] = new
         else:
             found[np.asarray(idx[:m], np.int64) + at] = new
-        rec[2] = self._epoch
+        rec.epoch = self._epoch
         if whole:
-            rec[3] = self._inserts
+            rec.inserts = self._inserts
 
     # -- queries -----------------------------------------------------------------------
 

@@ -111,6 +111,8 @@ class RecencyLists:
         self._old: list[_Log | None] = [None] * (lists + 1)
         self._rate = [0] * (lists + 1)
         self._owed = [0] * (lists + 1)  # entries to move, not yet moved
+        self.rebuilds = 0
+        """Lists rewritten in one pass because a move found no room (never, unless a bug)."""
         self._sizes = [0] * (lists + 1)
         self._pending: list[I64] = []
         self._codes: list[int] = []
@@ -223,13 +225,33 @@ class RecencyLists:
         self._pos[keep] = log.numbers(0, m)
         log.head, log.tail = 0, m
 
+    def _rebuild(self, lst: int, front: I32, room: int) -> None:
+        """List ``lst`` rewritten in one pass into a new buffer: ``front`` (its oldest
+        live entries, from elsewhere), then the live entries of its buffer. What the
+        moves over never need (their room is always there); a bug's safe way out."""
+        parts = [front]
+        for log in (self._old[lst], self._logs[lst]):  # the old buffer's are the older
+            if log is not None:
+                entries = log.buf[log.head : log.tail]
+                parts.append(entries[self._live(lst, log, log.head, entries)])
+        self._old[lst] = None
+        keep = np.concatenate(parts)
+        m = len(keep)
+        log = self._logs[lst]
+        new = _Log(max(self._initial, 2 * (m + room)), _HALF if log.base == 0 else 0)
+        new.buf[:m] = keep
+        self._pos[keep] = new.numbers(0, m)
+        new.tail = m
+        self._logs[lst] = new
+        self.rebuilds += 1
+
     def _renew(self, lst: int, room: int) -> _Log:
         """A new buffer for list ``lst``, with ``room`` for the append that asked for it;
         the full one becomes the old, moved over by the next appends."""
         old = self._logs[lst]
         # At most this many of the old entries are live: the space left before the new
         # buffer's first entry for them (so that the old ones stay the oldest).
-        reserve = self._sizes[lst]
+        reserve = self._room_for_old(lst)
         n_old = old.tail - old.head
         size = max(self._initial, 2 * (reserve + room), reserve + n_old // 4 + room)
         new = _Log(size, _HALF if old.base == 0 else 0, reserve)
@@ -242,17 +264,25 @@ class RecencyLists:
             self._rate[lst] = max(1, -(-2 * n_old // max(free, 1)))
         return new
 
+    def _room_for_old(self, lst: int) -> int:
+        """At most this many of a full log's entries are live: its list's size."""
+        return self._sizes[lst]
+
     def _move(self, lst: int, count: int) -> None:
         """Move up to ``count`` entries of the old buffer's young end over to the new
         buffer, before its first entry (the live ones; the stale ones are dropped)."""
         old, log = self._old[lst], self._logs[lst]
-        assert old is not None
+        if old is None:
+            return
         lo = max(old.head, old.tail - count)
         entries = old.buf[lo : old.tail]
         keep = entries[self._live(lst, old, lo, entries)]
         m = len(keep)
-        if m > log.head:  # cannot happen: the space was left for every live entry
-            raise AssertionError(f"recency log: {m} entries to move, room for {log.head}")
+        if m > log.head:  # not expected (the room was left for every live entry): one pass
+            entries = old.buf[old.head : old.tail]
+            self._old[lst] = None
+            self._rebuild(lst, entries[self._live(lst, old, old.head, entries)], 0)
+            return
         log.head -= m
         log.buf[log.head : log.head + m] = keep
         self._pos[keep] = log.numbers(log.head, m)
@@ -314,11 +344,12 @@ class RecencyLists:
                 self._old[lst] = None
         if held:  # back at the old end (of the buffer the pop ended in), in their order
             refused = np.concatenate(held) if len(held) > 1 else held[0]
-            if len(refused) > log.head:  # cannot happen: see _renew's reserve
-                raise AssertionError(f"recency log: {len(refused)} back, room for {log.head}")
-            log.head -= len(refused)
-            log.buf[log.head : log.head + len(refused)] = refused
-            pos[refused] = log.numbers(log.head, len(refused))
+            if len(refused) > log.head:  # not expected (see _renew's room): one pass
+                self._rebuild(lst, refused, 0)
+            else:
+                log.head -= len(refused)
+                log.buf[log.head : log.head + len(refused)] = refused
+                pos[refused] = log.numbers(log.head, len(refused))
         if not out:
             return np.zeros(0, np.int64)
         victims = np.concatenate(out) if len(out) > 1 else out[0]

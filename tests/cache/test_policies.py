@@ -157,12 +157,12 @@ def test_recency_lists_compact_a_log_of_stale_entries() -> None:
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize(
-    ("move_from", "move_batch"),
-    [(0, 1), (0, 40), (None, None)],
-    ids=["moved", "batches", "compacted"],
+    ("move_from", "move_batch", "no_room"),
+    [(0, 1, False), (0, 40, False), (None, None, False), (0, 1, True)],
+    ids=["moved", "batches", "compacted", "no-room"],
 )
 def test_recency_lists_move_a_full_log_over_a_little_at_a_time(
-    seed: int, move_from: int | None, move_batch: int | None
+    seed: int, move_from: int | None, move_batch: int | None, no_room: bool
 ) -> None:
     """Two lists with small buffers, so that logs fill and go on in new buffers again and
     again (the old one moved over by later appends, read first by pops, pops refused in
@@ -175,6 +175,8 @@ def test_recency_lists_move_a_full_log_over_a_little_at_a_time(
     lists = RecencyLists(cap, 2, initial=8)
     if move_from is not None and move_batch is not None:  # else: compacted in one pass
         lists.move_from, lists.move_batch = move_from, move_batch
+    if no_room:  # a bug's way out: no room left for the old entries, rebuilt in one pass
+        lists._room_for_old = lambda lst: 0  # type: ignore[method-assign]
     model: list[OrderedDict[int, None]] = [OrderedDict(), OrderedDict(), OrderedDict()]
     where = np.zeros(cap, np.int64)  # the model's list of each slot (0: none)
     renewals = crossings = 0
@@ -241,7 +243,10 @@ def test_recency_lists_move_a_full_log_over_a_little_at_a_time(
         for lst in (1, 2):
             assert lists.order(lst).tolist() == list(model[lst])
             assert lists.size(lst) == len(model[lst])
-    if move_from is None:
+    assert (lists.rebuilds > 0) == no_room  # else the room for the moves was always there
+    if no_room:
+        pass
+    elif move_from is None:
         assert renewals == 0
     else:  # the moves and the crossing pops were met; a few times an append's entries
         assert renewals > 50 and crossings > 5
