@@ -194,14 +194,13 @@ class Directory:
         self._last: tuple[int, tuple[Key, ...], list[int] | None] = (-1, (), [])
         self._last_array: I64 | None = None  # the same slots as an array (either, or both)
         self._last_at = 0  # where the last _find_array's keys start in _last
-        # A request's lookup, kept until its touch (compiled loops, from _KEEP_LOOKUPS_FROM
-        # slots): at its end other
-        # requests' stores have changed the index, and the touch would resolve its keys
-        # again (a second dict lookup per key; at millions of slots, cache misses). What
-        # the lookup found is still right where none of its slots was released since
-        # (``_released_at``: the release counter's value at each slot's last release),
-        # and what it did not find where no key was inserted since (``_inserts``).
-        # By the request's last key.
+        # A request's lookup, kept until its touch, by its last key (compiled loops, from
+        # _KEEP_LOOKUPS_FROM slots): at its end other requests' stores have changed the
+        # index, and the touch would resolve its keys again (a second dict lookup per
+        # key; at millions of slots, cache misses). What the lookup found is still right
+        # where none of its slots was released since (``_released_at``: the release
+        # counter's value at each slot's last release), and what it did not find where
+        # no key was inserted since (``_inserts``).
         self._recent: dict[Key, _Kept] = {}
         self._last_rec: _Kept | None = None  # the one of the batch in _last
         self._inserts = 0
