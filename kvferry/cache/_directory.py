@@ -325,7 +325,7 @@ class Directory:
         or None: not kept, or a slot it found was released since (resolve them again)."""
         k = self._k
         rec = self._recent.pop(keys[-1], None) if keys else None
-        if rec is None or k is None:  # (k: always there where lookups are kept)
+        if rec is None or k is None:  # (k is there wherever lookups are kept)
             return None
         batch, found, epoch, inserts = rec.keys, rec.found, rec.epoch, rec.inserts
         if not (batch is keys or batch == (keys if isinstance(keys, tuple) else tuple(keys))):

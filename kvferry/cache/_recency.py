@@ -218,9 +218,7 @@ class RecencyLists:
         keep = entries[self._live(lst, log, log.head, entries)]
         m = len(keep)
         if 2 * (m + room) > len(log.buf):
-            log.buf = np.zeros(max(self._initial, 2 * (m + room)), np.int32)
-            if len(log.buf) > _HALF:
-                raise OverflowError(f"a recency log of {len(log.buf)} entries (at most {_HALF})")
+            log.buf = _Log(max(self._initial, 2 * (m + room))).buf  # (its bound checked)
         log.buf[:m] = keep
         self._pos[keep] = log.numbers(0, m)
         log.head, log.tail = 0, m
