@@ -366,7 +366,7 @@ def scaling_run(
     new: int = 64,
     window: int = 8,
     segments: int = 3,
-    index: str = "dict",
+    index: str | None = None,
 ) -> dict[str, Any]:
     """A full directory of ``capacity`` slots, then ``requests`` requests in steady state.
 
@@ -424,6 +424,7 @@ def scaling_run(
         "evicted": evicted,
         "evict_batch": n,
         "hit_rate": hits / looked,
+        "index": d.index,
     }
 
 
@@ -432,16 +433,17 @@ def scaling_table(
     requests: int,
     capacities: dict[str, int],
     policies: Sequence[str],
-    index: str = "dict",
+    index: str | None = None,
 ) -> dict[str, float]:
-    """Per-op time and eviction cost from 10k to 4M slots; prints the table."""
+    """Per-op time and eviction cost from 10k to 4M slots; prints the table. ``index``:
+    the directory's key index (None: its default at each capacity)."""
     print(
-        f"\nscaling (seed {seed}, {index} index): full directory, then {requests} requests "
-        "of 32 reused + 64 new keys (the new ones evict as many)"
+        f"\nscaling (seed {seed}, {index or 'the default'} index): full directory, then "
+        f"{requests} requests of 32 reused + 64 new keys (the new ones evict as many)"
     )
     print(
-        f"  {'capacity':>8} {'policy':7} {'watermarks':10} {'ns/op min':>9} {'max':>6} "
-        f"{'evict us/key':>12} {'batch':>6} {'evicted':>8} {'hit rate':>8}"
+        f"  {'capacity':>8} {'index':7} {'policy':7} {'watermarks':10} {'ns/op min':>9} "
+        f"{'max':>6} {'evict us/key':>12} {'batch':>6} {'evicted':>8} {'hit rate':>8}"
     )
     per_op: dict[tuple[str, str, str], float] = {}
     evict: dict[str, float] = {}
@@ -453,7 +455,7 @@ def scaling_table(
                 per_op[cname, policy, wname] = min(r["ns_per_op"])
                 evict[cname] = max(evict.get(cname, 0.0), r["evict_us_per_key"])
                 print(
-                    f"  {cname:>8} {policy:7} {wname:10} {min(r['ns_per_op']):9.0f} "
+                    f"  {cname:>8} {r['index']:7} {policy:7} {wname:10} {min(r['ns_per_op']):9.0f} "
                     f"{max(r['ns_per_op']):6.0f} {r['evict_us_per_key']:12.3f} "
                     f"{r['evict_batch']:6d} {r['evicted']:8d} {r['hit_rate']:8.3f}",
                     flush=True,
@@ -492,6 +494,8 @@ def speed_table(
         "kvferry lru, evict inline (1,1)": lambda: KVFerryDriver(
             capacity, "lru", watermarks=(1.0, 1.0)
         ),
+        "kvferry lru, dict index": lambda: KVFerryDriver(capacity, "lru", index="dict"),
+        "kvferry arc, dict index": lambda: KVFerryDriver(capacity, "arc", index="dict"),
         "kvferry lru, compact index": lambda: KVFerryDriver(capacity, "lru", index="compact"),
         "kvferry arc, compact index": lambda: KVFerryDriver(capacity, "arc", index="compact"),
         "kvferry lru, Python loops": lambda: KVFerryDriver(capacity, "lru", compiled=False),
@@ -521,10 +525,14 @@ def memory_table(n: int) -> dict[str, float]:
         "kvferry arc": (lambda c: Directory(c, policy="arc"), kvferry_store),
         "vllm arc": (lambda c: vllm_manager(c, "arc"), vllm_store),
         "kvferry s3fifo": (lambda c: Directory(c, policy="s3fifo"), kvferry_store),
+        "kvferry lru, dict index": (lambda c: Directory(c, index="dict"), kvferry_store),
         "kvferry lru, compact index": (lambda c: Directory(c, index="compact"), kvferry_store),
     }
     mem: dict[str, float] = {}
-    print(f"\nbytes per block, {n} blocks held, steady state (2n stored, then n/2 more):")
+    print(
+        f"\nbytes per block, {n} blocks held, steady state (2n stored, then n/2 more; "
+        f"the directory's default index there: {Directory(n).index}):"
+    )
     print(f"  {'system':16} {'mean':>6} {'min':>6} {'max':>6}")
     for name, (make, store) in makers.items():
         mean, low, high = bytes_per_block(make, store, n)
@@ -549,7 +557,12 @@ def main() -> None:
     ap.add_argument("--skip-replay", action="store_true", help="no trace replay against vLLM")
     ap.add_argument("--skip-scaling", action="store_true", help="no 10k..4M capacity table")
     ap.add_argument("--scaling-requests", type=int, default=1500)
-    ap.add_argument("--index", choices=("dict", "compact"), default="dict", help="for scaling")
+    ap.add_argument(
+        "--index",
+        choices=("dict", "compact"),
+        default=None,
+        help="for scaling (default: the directory's own choice at each capacity)",
+    )
     args = ap.parse_args()
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(3), "big")
     compiled = Directory(1)._k is not None
@@ -560,18 +573,24 @@ def main() -> None:
     requests, docs = (3_000, 800) if args.quick else (20_000, 5_000)
     ratios: dict[str, list[float]] = {}
     rates: dict[str, list[float]] = {}
+    capacity_used = 0  # the replays' last capacity
     for run in range(0 if args.skip_replay else args.runs):
         trace, distinct = make_trace(seed=seed + run, requests=requests, docs=docs)
-        capacity = int(0.3 * distinct)
+        capacity = capacity_used = int(0.3 * distinct)
         print(
             f"\nrun {run + 1}, trace seed {seed + run}: {len(trace)} requests, "
             f"{sum(map(len, trace))} block-ops, {distinct} distinct blocks, "
-            f"capacity {capacity} blocks"
+            f"capacity {capacity} blocks (the directory's default index there: "
+            f"{Directory(capacity).index})"
         )
         hit, cpu = speed_table(trace, capacity, args.repeats, args.window)
         for p in ("lru", "arc"):
             ratios.setdefault(p, []).append(cpu[f"kvferry {p}"] / cpu[f"vllm {p}"])
-            for variant, name in (("compact", "compact index"), ("python", "Python loops")):
+            for variant, name in (
+                ("dict", "dict index"),
+                ("compact", "compact index"),
+                ("python", "Python loops"),
+            ):
                 ratios.setdefault(f"{p}_{variant}", []).append(
                     cpu[f"kvferry {p}, {name}"] / cpu[f"vllm {p}"]
                 )
@@ -584,11 +603,19 @@ def main() -> None:
         for p, r in ratios.items():
             print(f"  {p}: {spread(r)}")
     n = 100_000 if args.quick else 1_000_000
-    mem_ratio: dict[str, float | None] = {"lru": None, "arc": None, "lru_compact": None}
+    mem_ratio: dict[str, float | None] = {
+        "lru": None,
+        "arc": None,
+        "lru_dict": None,
+        "lru_compact": None,
+    }
     if not args.skip_memory:
         mem = memory_table(n)
         mem_ratio = {p: round(mem[f"kvferry {p}"] / mem[f"vllm {p}"], 3) for p in ("lru", "arc")}
-        mem_ratio["lru_compact"] = round(mem["kvferry lru, compact index"] / mem["vllm lru"], 3)
+        for variant in ("dict", "compact"):
+            mem_ratio[f"lru_{variant}"] = round(
+                mem[f"kvferry lru, {variant} index"] / mem["vllm lru"], 3
+            )
         idx = index_figures(n, [list(keys) for keys in make_trace(seed=seed)[0][:2000]])
         print(
             f"\nkey index, {n} keys: dict {idx['dict_bytes_per_key']:.0f} B/key, "
@@ -635,6 +662,11 @@ def main() -> None:
                 "ns_per_op_vs_vllm_arc_spread": span(ratios.get("arc")),
                 "bytes_per_block_vs_vllm": mem_ratio["lru"],
                 "bytes_per_block_vs_vllm_arc": mem_ratio["arc"],
+                "index": Directory(capacity_used).index if capacity_used else None,
+                "index_memory": Directory(n).index,
+                "ns_per_op_vs_vllm_lru_dict": median(ratios.get("lru_dict")),
+                "ns_per_op_vs_vllm_arc_dict": median(ratios.get("arc_dict")),
+                "bytes_per_block_vs_vllm_dict": mem_ratio["lru_dict"],
                 "ns_per_op_vs_vllm_lru_compact": median(ratios.get("lru_compact")),
                 "ns_per_op_vs_vllm_lru_compact_spread": span(ratios.get("lru_compact")),
                 "ns_per_op_vs_vllm_arc_compact": median(ratios.get("arc_compact")),

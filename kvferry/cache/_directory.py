@@ -19,12 +19,14 @@ in flight, a policy choosing a victim that is not evictable) is a bug elsewhere:
 concerned are left alone, and it is logged (``invariant_broken``, an
 :class:`~kvferry.InvariantError`) and counted in ``invariant_errors``, never asserted.
 
-Per-slot state lives in numpy arrays. The key → slot map is, by default, a dict of the
-caller's key objects (:class:`~kvferry.cache._index.DictIndex`, the cheapest per request),
-or with ``index="compact"`` a :class:`~kvferry.cache._index.KeyIndex` (the keys' bytes in
-one buffer, an open-addressing int32 table of slots by their digest, a bounded dict of
-recent answers; no Python object per block, less than half the bytes, about twice the CPU
-time per request). A request's keys are resolved once: the calls that follow a lookup on a
+Per-slot state lives in numpy arrays. The key → slot map is a
+:class:`~kvferry.cache._index.KeyIndex` (``index="compact"``: the keys' bytes in one
+buffer, an open-addressing int32 table of slots by their digest, found and entered by
+compiled kernels; no Python object per block, 40% of a dict's bytes) or a dict of the
+caller's key objects (:class:`~kvferry.cache._index.DictIndex`, ``index="dict"``). By
+default the compact one from ``_COMPACT_FROM`` (100k) slots where the loops are compiled,
+a dict below (and without numba, whose absence leaves the compact index twice as slow).
+A request's keys are resolved once: the calls that follow a lookup on a
 prefix or a suffix of its keys (its load, its store) reuse that resolution while no key
 came or went in between. Which block
 to evict is the policy's choice (:mod:`~kvferry.cache._policy`); how many, and when, is
@@ -91,6 +93,19 @@ ns per block-op, best of 3 segments, two runs each): at 100k slots 1,165-1,190 w
 OrderedDict against 1,251-1,336 with the logs, at 1M 1,555-1,575 against 1,499-1,546,
 at 4M 1,900 against 1,601."""
 
+_COMPACT_FROM = 100_000
+"""From this many slots (with the compiled loops) the directory's index is compact by
+default: its kernels then cost less than a dict, and hold the keys in a third of the
+bytes. Below, a dict: the connector's calls are a few keys each, with its caches cold, and
+a dict's few gets cost less than the kernel's call and the keys' join. Measured on the
+2-core machine: ``benchmarks/scheduler_overhead.py`` (a host tier of 1,536 slots),
+``sched_overhead_vs_vllm`` 0.656, 0.664 with a dict against 0.669, 0.688 compact,
+alternated; ``benchmarks/bookkeeping.py``'s scaling run (ns per block-op, the best
+segment, seeds 600-602, alternated, dict / compact): at 10k slots LRU (1, 1) 982-1,004 /
+919-969, ARC (1, 1) 1,529-1,657 / 1,459-1,671; at 100k 1,200-1,213 / 963-1,116 and
+1,879-1,954 / 1,701-1,790; at 1M 1,361-1,571 / 997-1,070 and 2,206-2,420 /
+1,727-1,854."""
+
 _KEEP_LOOKUPS_FROM = 1_000_000
 """From this many slots (with the compiled loops) a request's lookup is kept for the touch
 at its end, which then does not resolve its keys again: at millions of slots each dict
@@ -132,9 +147,10 @@ class Directory:
     <kvferry.cache._events>` for :meth:`take_events`. ``write_back``: evicted slots are
     DEMOTING until :meth:`end_demotions` (their bytes are written to a lower tier first).
     ``index``: the key index, ``"dict"`` (the caller's key objects in a dict, ~150 bytes a
-    block) or ``"compact"`` (no Python object per block, ~65 bytes a block, about twice
-    the CPU time per request on the 2-core machine: ``benchmarks/bookkeeping.py``; for a
-    tier of millions of blocks).
+    block) or ``"compact"`` (no Python object per block, ~65 bytes a block; compiled, as
+    fast as the dict or faster from 10k slots, twice as slow in Python:
+    ``benchmarks/bookkeeping.py``); None (the default): compact from ``_COMPACT_FROM``
+    slots where compiled, else the dict.
 
     ``compiled``: the per-request calls' passes over their slots, and the policy's ghost
     lists' tag tables, compiled with numba
@@ -157,22 +173,28 @@ class Directory:
         events: bool = False,
         medium: str = MEDIUM,
         write_back: bool = False,
-        index: str = "dict",
+        index: str | None = None,
         compiled: bool | None = None,
     ) -> None:
         if num_slots <= 0:
             raise ValueError(f"num_slots must be > 0, got {num_slots}")
-        if index not in ("compact", "dict"):
+        if index not in ("compact", "dict", None):
             raise ValueError(f'index must be "compact" or "dict", got {index!r}')
         check_store_threshold(store_threshold)
         self.num_slots = num_slots
         # The per-request loops over slots, compiled (numba) or None: in Python.
         self._k = _kernels.choose(compiled)
+        if index is None:
+            compact = self._k is not None and num_slots >= _COMPACT_FROM
+            index = "compact" if compact else "dict"
+        self.index = index
+        """The key index in use: ``index``, by default compact from ``_COMPACT_FROM`` slots
+        where compiled, else a dict."""
         self.low, self.high = check_watermarks(watermarks)
         # LRU's order: an OrderedDict where a store evicts its few blocks inline (the
-        # connector's watermarks (1, 1)); numpy logs for the evictor's large batches and
-        # for millions of slots (the compact index's, or any from _LOG_ORDER_FROM).
-        inline = self.high >= 1.0 and index == "dict" and num_slots < _LOG_ORDER_FROM
+        # connector's watermarks (1, 1)), with either index; numpy logs for the evictor's
+        # large batches and for millions of slots (from _LOG_ORDER_FROM).
+        inline = self.high >= 1.0 and num_slots < _LOG_ORDER_FROM
         self.policy = make_policy(
             policy,
             num_slots,
@@ -186,7 +208,9 @@ class Directory:
             else None
         )
         self._index: KeyIndex | DictIndex = (
-            KeyIndex(num_slots) if index == "compact" else DictIndex(num_slots)
+            KeyIndex(num_slots, compiled=self._k is not None)
+            if index == "compact"
+            else DictIndex(num_slots)
         )
         # The last batch of keys resolved, and its slots, while the index is unchanged
         # (``_changes``): a request's load and store reuse its lookup's resolution.

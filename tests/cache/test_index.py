@@ -1,5 +1,6 @@
 """The directory's compact key index against a dict: digest collisions, removals that give
-back what a probe passed, a full index, and keys of unusual length."""
+back what a probe passed, a full index, and keys of unusual length; each with the index's
+chains of ``map`` and with its kernels (``compiled``)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from hypothesis import strategies as st
 
 from kvferry.cache import Directory
 from kvferry.cache._index import EMPTY, KeyIndex
+
+from ._compiled import both
 
 SETTINGS = settings(max_examples=60, derandomize=True, database=None, deadline=None)
 
@@ -41,16 +44,22 @@ def check(index: KeyIndex, ref: dict[bytes, int], universe: list[bytes]) -> None
         assert int(index._over.sum()) == 0 and (index._cells == EMPTY).all()
 
 
-@pytest.mark.parametrize("digest", [hash, colliding, two_homes])
+@both
+@pytest.mark.parametrize("digest", [None, hash, colliding, two_homes])
 @pytest.mark.parametrize(("vectorized", "recent"), [(False, 0), (True, 0), (False, 5), (True, 64)])
 @SETTINGS
 @given(ops=st.lists(st.tuples(st.booleans(), st.lists(st.integers(0, 40), max_size=6))))
 def test_the_index_maps_like_a_dict(
-    digest: object, vectorized: bool, recent: int, ops: list[tuple[bool, list[int]]]
+    compiled: bool,
+    digest: object,
+    vectorized: bool,
+    recent: int,
+    ops: list[tuple[bool, list[int]]],
 ) -> None:
     """Inserts and removals in batches; removals one by one or vectorized; answers from
-    the table alone, or from a dict of recent answers that overflows (5) or not (64)."""
-    index = KeyIndex(16, digest=digest)  # type: ignore[arg-type]
+    the table alone, or from a dict of recent answers that overflows (5) or not (64)
+    (compiled: no such dict); digests the index's own (None), Python's, or colliding."""
+    index = KeyIndex(16, digest=digest, compiled=compiled)  # type: ignore[arg-type]
     index.recent_keys = recent
     if vectorized:
         index.vectorize_removals = 0
@@ -69,8 +78,9 @@ def test_the_index_maps_like_a_dict(
         check(index, ref, universe)
 
 
-def test_equal_digests_of_different_keys_are_told_apart_by_their_bytes() -> None:
-    index = KeyIndex(8, digest=colliding)
+@both
+def test_equal_digests_of_different_keys_are_told_apart_by_their_bytes(compiled: bool) -> None:
+    index = KeyIndex(8, digest=colliding, compiled=compiled)
     index.recent_keys = 0  # the table's own answers
     index.insert([key(1), key(2), key(3)], np.array([5, 6, 7]))
     assert index.find([key(3), key(2), key(1), key(4)]) == [7, 6, 5, -1]
@@ -78,10 +88,13 @@ def test_equal_digests_of_different_keys_are_told_apart_by_their_bytes() -> None
     assert index.find([key(3), key(2), key(1)]) == [7, -1, 5]
 
 
+@both
 @pytest.mark.parametrize("vectorized", [False, True])
-def test_a_full_index_of_colliding_keys_shifted_past_255_cells(vectorized: bool) -> None:
+def test_a_full_index_of_colliding_keys_shifted_past_255_cells(
+    compiled: bool, vectorized: bool
+) -> None:
     n = 300  # each key lands past all the others: shifts beyond what a slot records
-    index = KeyIndex(n, digest=colliding)
+    index = KeyIndex(n, digest=colliding, compiled=compiled)
     index.recent_keys = 0
     if vectorized:
         index.vectorize_removals = 0
@@ -96,9 +109,10 @@ def test_a_full_index_of_colliding_keys_shifted_past_255_cells(vectorized: bool)
     assert int(index._over.sum()) == 0 and index.size == 0
 
 
-def test_the_default_index_fills_to_capacity_with_real_keys() -> None:
+@both
+def test_the_default_index_fills_to_capacity_with_real_keys(compiled: bool) -> None:
     n = 5_000
-    index = KeyIndex(n)
+    index = KeyIndex(n, compiled=compiled)
     index.recent_keys = 0
     keys = [key(i, group=i % 3) for i in range(n)]
     index.insert(keys, np.arange(n))
@@ -109,8 +123,9 @@ def test_the_default_index_fills_to_capacity_with_real_keys() -> None:
     assert int(index._over.sum()) == 0 and (index._cells == EMPTY).all()
 
 
-def test_keys_of_another_length_than_the_first_work_too() -> None:
-    index = KeyIndex(6)
+@both
+def test_keys_of_another_length_than_the_first_work_too(compiled: bool) -> None:
+    index = KeyIndex(6, compiled=compiled)
     odd = [b"", b"x", key(9)[:35], key(9) + b"!", b"y" * 100]
     index.insert([key(1)], np.array([0]))
     index.insert(odd, np.arange(1, 6))
@@ -123,8 +138,22 @@ def test_keys_of_another_length_than_the_first_work_too() -> None:
     assert index.holds(np.arange(6)).tolist() == [False, True, True, False, True, True]
 
 
-def test_clear_forgets_every_key() -> None:
-    index = KeyIndex(4, digest=colliding)
+@both
+def test_keys_whose_length_is_not_a_multiple_of_4_take_the_python_way(compiled: bool) -> None:
+    """The kernels read keys as 32-bit words: an index whose keys are 10 bytes long gives
+    them up at its first key, and answers all the same."""
+    index = KeyIndex(8, compiled=compiled)
+    keys = [key(i)[:10] for i in range(6)]
+    index.insert(keys[:4], np.arange(4))
+    assert index._k is None and index.key_len == 10
+    assert index.find(keys) == [0, 1, 2, 3, -1, -1]
+    index.remove(np.array([1]))
+    assert index.find(keys[:3]) == [0, -1, 2] and index.size == 3
+
+
+@both
+def test_clear_forgets_every_key(compiled: bool) -> None:
+    index = KeyIndex(4, digest=colliding, compiled=compiled)
     index.insert([key(1), b"short"], np.array([0, 1]))
     index.clear()
     assert index.find([key(1), b"short"]) == [-1, -1] and index.size == 0
@@ -132,9 +161,10 @@ def test_clear_forgets_every_key() -> None:
     assert index.find([key(2)]) == [0]
 
 
-def test_the_directory_is_correct_under_digest_collisions() -> None:
-    d = Directory(4, watermarks=(1.0, 1.0), events=True)
-    d._index = KeyIndex(4, digest=colliding)
+@both
+def test_the_directory_is_correct_under_digest_collisions(compiled: bool) -> None:
+    d = Directory(4, watermarks=(1.0, 1.0), events=True, compiled=compiled)
+    d._index = KeyIndex(4, digest=colliding, compiled=compiled)
     keys = [key(i) for i in range(6)]
     for k in keys:
         slots = d.prepare_store([k])
@@ -156,13 +186,16 @@ def test_a_resolution_reused_by_the_next_call_is_dropped_when_a_key_came_in_betw
     assert d.statistics().stores_skipped_present == 1
 
 
+@both
 @pytest.mark.parametrize("policy", ["lru", "arc", "s3fifo"])
-def test_a_compact_directory_answers_as_a_dict_one_does(policy: str) -> None:
+def test_a_compact_directory_answers_as_a_dict_one_does(compiled: bool, policy: str) -> None:
     """The same seeded calls, with keys of two lengths, through both indexes: the same
     answers, slots and events."""
     rng = np.random.default_rng(16)
     dirs = [
-        Directory(24, policy=policy, events=True, watermarks=(0.7, 0.9), index=kind)
+        Directory(
+            24, policy=policy, events=True, watermarks=(0.7, 0.9), index=kind, compiled=compiled
+        )
         for kind in ("compact", "dict")
     ]
     universe = [key(i, group=i % 2) for i in range(60)] + [b"k%d" % i for i in range(10)]
@@ -197,14 +230,17 @@ def test_an_unknown_index_is_refused() -> None:
         Directory(4, index="btree")
 
 
+@both
 @pytest.mark.parametrize("vectorized", [False, True])
 @pytest.mark.parametrize("kind", ["compact", "dict"])
 def test_a_removal_names_the_slots_that_held_no_key_and_removes_the_rest(
-    kind: str, vectorized: bool
+    kind: str, vectorized: bool, compiled: bool
 ) -> None:
     from kvferry.cache._index import DictIndex
 
-    index: KeyIndex | DictIndex = KeyIndex(8) if kind == "compact" else DictIndex(8)
+    index: KeyIndex | DictIndex = (
+        KeyIndex(8, compiled=compiled) if kind == "compact" else DictIndex(8)
+    )
     if vectorized and isinstance(index, KeyIndex):
         index.vectorize_removals = 0
     index.insert([key(1), key(2), key(3)], np.array([1, 2, 3]))

@@ -54,13 +54,18 @@ class _Recorded:
 
 
 def _history(
-    policy: str, watermarks: tuple[float, float], seed: int, keep: bool, monkeypatch: Any
+    policy: str,
+    watermarks: tuple[float, float],
+    seed: int,
+    keep: bool,
+    monkeypatch: Any,
+    index: str = "dict",
 ) -> None:
     rng = np.random.default_rng(seed)
     if keep:
         monkeypatch.setattr(_directory, "_KEEP_LOOKUPS_FROM", 0)
     pair = [
-        Directory(24, policy=policy, watermarks=watermarks, events=True, compiled=c)
+        Directory(24, policy=policy, watermarks=watermarks, events=True, index=index, compiled=c)
         for c in (True, False)
     ]
     assert pair[0]._k is not None and pair[1]._k is None
@@ -171,10 +176,18 @@ def _history(
 @pytest.mark.parametrize("watermarks", [(1.0, 1.0), (0.6, 0.8)])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("keep", [False, True], ids=["resolve", "keep"])
+@pytest.mark.parametrize("index", ["dict", "compact"])
 def test_compiled_and_python_loops_answer_alike(
-    policy: str, watermarks: tuple[float, float], seed: int, keep: bool, monkeypatch: Any
+    policy: str,
+    watermarks: tuple[float, float],
+    seed: int,
+    keep: bool,
+    index: str,
+    monkeypatch: Any,
 ) -> None:
-    _history(policy, watermarks, seed, keep, monkeypatch)
+    """The same history through a directory with its loops compiled and one without, each
+    with the index named (compact: its kernels against its chains of ``map``)."""
+    _history(policy, watermarks, seed, keep, monkeypatch, index)
 
 
 def _duplicate_in_a_store(d: Directory) -> None:

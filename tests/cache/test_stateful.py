@@ -79,12 +79,16 @@ class DirectoryMachine(RuleBasedStateMachine):
     check_lru_order: bool = False
     compiled: bool | None = None  # the compiled loops where numba is installed
     keep_lookups: bool = False  # requests' lookups kept for their touch (from 1M slots)
+    index: str | None = None  # the directory's default (a dict at this size)
+    log_order: bool = False  # LRU's order in logs even at (1, 1) (from 1M slots)
 
     def __init__(self) -> None:
         super().__init__()
-        threshold = _directory._KEEP_LOOKUPS_FROM
+        thresholds = _directory._KEEP_LOOKUPS_FROM, _directory._LOG_ORDER_FROM
         if self.keep_lookups:
             _directory._KEEP_LOOKUPS_FROM = 0
+        if self.log_order:
+            _directory._LOG_ORDER_FROM = 0
         try:
             self.d = Directory(
                 CAPACITY,
@@ -92,10 +96,11 @@ class DirectoryMachine(RuleBasedStateMachine):
                 watermarks=self.watermarks,
                 store_threshold=self.store_threshold,
                 events=True,
+                index=self.index,
                 compiled=self.compiled,
             )
         finally:
-            _directory._KEEP_LOOKUPS_FROM = threshold
+            _directory._KEEP_LOOKUPS_FROM, _directory._LOG_ORDER_FROM = thresholds
         assert self.d._keeps == self.keep_lookups
         self.model = ModelDirectory(CAPACITY, store_threshold=self.store_threshold)
         self.loads: list[Any] = []
@@ -266,4 +271,24 @@ TestLRUExactKeepingLookups = needs_numba(
 )
 TestARCKeepingLookups = needs_numba(
     machine(policy="arc", compiled=True, keep_lookups=True).TestCase
+)
+# The compact index (compiled where numba is installed, and in Python), and the directory
+# as it is from a million slots: compact, its lookups kept, LRU's order in logs.
+TestLRUExactCompact = machine(policy="lru", check_lru_order=True, index="compact").TestCase
+TestS3FIFOWatermarksCompact = machine(
+    policy="s3fifo", watermarks=(0.5, 0.8), index="compact"
+).TestCase
+TestARCCompactInPython = machine(policy="arc", index="compact", compiled=False).TestCase
+TestLRUExactAsFromAMillionSlots = needs_numba(
+    machine(
+        policy="lru",
+        check_lru_order=True,
+        compiled=True,
+        keep_lookups=True,
+        index="compact",
+        log_order=True,
+    ).TestCase
+)
+TestARCAsFromAMillionSlots = needs_numba(
+    machine(policy="arc", compiled=True, keep_lookups=True, index="compact").TestCase
 )

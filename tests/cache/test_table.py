@@ -10,20 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvferry.cache import _kernels
 from kvferry.cache._table import WIDTH, FingerprintQueue, GhostQueue, TagTable
 
-both = pytest.mark.parametrize(
-    "compiled",
-    [
-        pytest.param(False, id="numpy"),
-        pytest.param(
-            True,
-            id="compiled",
-            marks=pytest.mark.skipif(_kernels.load() is None, reason="numba is not installed"),
-        ),
-    ],
-)
+from ._compiled import both
 
 SETTINGS = settings(max_examples=80, derandomize=True, database=None, deadline=None)
 
