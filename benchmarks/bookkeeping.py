@@ -18,15 +18,18 @@ Figures:
   holding 1,000,000 blocks after 1,000,000 more were stored through it (evictions done,
   ghost lists full), keys of 36 bytes (a 32-byte block hash + a 4-byte group), held by
   nothing but the structure.
-- the directory's two key indexes: the default ``index="dict"`` (a dict of the caller's
-  keys) and ``index="compact"`` (no Python object per block): ``*_compact`` keys in the
-  JSON.
+- the directory's two key indexes: its default (``index``: compact from 100k slots where
+  compiled, else a dict), and each named, ``index="dict"`` (a dict of the caller's keys)
+  and ``index="compact"`` (no Python object per block): ``*_dict`` and ``*_compact``
+  keys in the JSON.
 - the directory's per-request passes over slots compiled (numba, its default where
   installed: the headline figures) and in Python (``compiled=False``, what runs without
   numba): ``*_python`` keys; ``compiled_loops`` says which the headline ran.
-- index: the cost of resolving a request's keys with a dict (the directory's default)
-  and with the directory's compact :class:`~kvferry.cache._index.KeyIndex` (no Python
-  object per key), and their bytes per key.
+- index: the cost of resolving a request's keys with a dict and with the directory's
+  compact :class:`~kvferry.cache._index.KeyIndex` (no Python object per key; compiled
+  where numba is installed), and their bytes per key.
+- ``index``, ``index_memory``: the index the directory chose by default for the replays'
+  capacity and for the memory table's.
 
 - scaling: a full directory of 10k, 100k, 1M and 4M slots, at watermarks (1, 1) (every
   store evicts inline) and the default ones (the evictor's batches), then the same
@@ -82,7 +85,15 @@ recency log moved to a new buffer a little at a time (no pass over it in one cal
 same: ``_arc`` 0.374 (0.352-0.378), ``_lru`` 0.142 (0.142-0.143), ``bytes_per_block``
 0.417 (two buffers while a log is moved), ``scaling_4m_vs_10k`` 1.533 (1.521-1.621),
 and at 4M slots the slowest segment of a run within 5% of the fastest (it was up to 90%
-slower: the one-pass compaction of a log of 8M entries, 55 ms in one call).
+slower: the one-pass compaction of a log of 8M entries, 55 ms in one call). Then, with the
+compact index's find, insert and remove compiled and the directory's default from 100k
+slots (the replays' capacities, 111k-119k, and the memory table's 1M take it; the
+scaling table's 10k a dict), the same: ``_arc`` 0.348 (0.330-0.384), ``_lru`` 0.147
+(0.138-0.151); with the compact index named 0.369 (0.363-0.372) and 0.149
+(0.138-0.154), with the dict 0.381 (0.365-0.405) and 0.162 (0.149-0.172);
+``bytes_per_block_vs_vllm`` 0.172 (91 bytes a block; the dict 0.417, ARC 0.282);
+``scaling_4m_vs_10k`` 1.179 (1.153-1.240), ``evict_us_per_key_1m`` 0.846, ``_4m``
+0.722; hit rates unchanged.
 ``--quick`` runs small traces and capacities (what the tests run).
 """
 
@@ -298,8 +309,8 @@ def vllm_manager(n: int, policy: str) -> Any:
 
 
 def index_figures(n: int, batches: list[list[bytes]]) -> dict[str, float]:
-    """µs to resolve one request's keys, and bytes per key: a dict (the directory's
-    default) against its compact :class:`~kvferry.cache._index.KeyIndex`."""
+    """µs to resolve one request's keys, and bytes per key: a dict against the directory's
+    compact :class:`~kvferry.cache._index.KeyIndex`."""
     out: dict[str, float] = {}
     for name in ("dict", "compact"):
         gc.collect()

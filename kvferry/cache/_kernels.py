@@ -31,9 +31,10 @@ removes keys compiled too: a batch's keys joined into one buffer, hashed, probed
 verified in one call, where its Python way is a dozen chains of ``map`` (on the replay, a
 request 2.3x the dict index's time in Python, about the dict's compiled).
 
-Compiled at first use in a process (about 5 s on the 2-core machine) and cached on disk
+Compiled at first use in a process (about 8 s on the 2-core machine) and cached on disk
 next to this module (numba's ``cache=True``; where that is read-only, in numba's per-user
-cache), so later processes load them in about 0.6 s, numba's import included.
+cache), so later processes load them in about 0.5 s, 0.7 s with numba's import
+(``tests/cache/test_kernels.py`` checks that a second process compiles none).
 
 Who owns what: pure functions over the arrays the caller passes; nothing shared.
 """
@@ -59,6 +60,11 @@ INDEX_FAR = 255
 """Its shifts saturate here (``_index._FAR``)."""
 
 _log = get_logger("kvferry.cache")
+
+_mix: Any = None
+"""The compact index's digest of a key, compiled (set by ``_compile``)."""
+_same_key: Any = None
+"""Whether a slot holds a key, compiled (set by ``_compile``)."""
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -378,10 +384,16 @@ def _compile(numba: Any) -> SimpleNamespace:
                 return False
         return True
 
+    # The kernels call these as globals: numba's cache keeps a kernel that calls another
+    # compiled function by a global name, and misses one that holds it in a closure cell.
+    global _mix, _same_key
+    _mix, _same_key = mix, same_key
+
     @njit([t.int64(kb, t.int64) for kb in keys_in])
     def index_digest(key: Any, seed: int) -> int:
         """One key's digest, as the kernels take it (``mix``): for the Python path."""
-        return mix(key, 0, len(key), seed)
+        digest: int = _mix(key, 0, len(key), seed)
+        return digest
 
     @njit([t.none(i32, u16, u32, t.int64, t.int64, i64, kb, i64) for kb in keys_in])
     def index_find(
@@ -398,18 +410,18 @@ def _compile(numba: Any) -> SimpleNamespace:
         # Two passes, each of loads independent of one another (the cells, then the keys
         # at their slots), so that the CPU overlaps their cache misses.
         for i in range(n):
-            p = (digests[i] if given else mix(keys, i * words, words, seed)) % ncells
+            p = (digests[i] if given else _mix(keys, i * words, words, seed)) % ncells
             homes[i] = p
             out[i] = cells[p]
         for i in range(n):
             at = i * words
-            if same_key(kb, out[i], keys, at, words):
+            if _same_key(kb, out[i], keys, at, words):
                 continue
             p = homes[i]
             found = -1
             while over[p] != 0:  # a key passed this cell: search on
                 p = p + 1 if p + 1 < ncells else 0
-                if same_key(kb, cells[p], keys, at, words):
+                if _same_key(kb, cells[p], keys, at, words):
                     found = cells[p]
                     break
             out[i] = found
@@ -442,7 +454,7 @@ def _compile(numba: Any) -> SimpleNamespace:
             base, at = s * words, i * words
             for j in range(words):
                 kb[base + j] = keys[at + j]
-            p = (digests[i] if given else mix(keys, at, words, seed)) % ncells
+            p = (digests[i] if given else _mix(keys, at, words, seed)) % ncells
             k = 0
             while cells[p] != empty:
                 if over[p] < saturated:

@@ -13,6 +13,8 @@ whole job or changes nothing.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from typing import Any
 
 import numpy as np
@@ -299,3 +301,18 @@ def test_kvferry_jit_0_turns_the_compiled_loops_off(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv(_kernels.ENV, "0")
     assert Directory(4)._k is None
     assert Directory(4, compiled=True)._k is not None  # asked for by name: the caller's say
+
+
+@needs_numba
+def test_a_second_process_loads_every_kernel_from_numbas_cache() -> None:
+    """This process compiled (or loaded) the kernels and numba cached them: a new one loads
+    each from the cache, none compiled again (seconds at every engine start). A kernel
+    that held a compiled helper in a closure cell was missed by the cache."""
+    code = (
+        "from kvferry.cache import _kernels\n"
+        "k = _kernels.load()\n"
+        "print(sorted(n for n, d in vars(k).items()"
+        " if d.stats.cache_misses or not d.stats.cache_hits))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
