@@ -47,6 +47,8 @@ from functools import cache
 from types import SimpleNamespace
 from typing import Any, TypeVar, cast
 
+import numpy as np
+
 from .._logging import get_logger
 from ._slots import READY, STORING
 
@@ -108,8 +110,6 @@ def load() -> Any | None:
 
 
 def _compile(numba: Any) -> SimpleNamespace:
-    import numpy as np
-
     def njit(signatures: list[Any]) -> Callable[[F], F]:
         compiled: Callable[[F], F] = numba.njit(signatures, cache=True, boundscheck=False)
         return compiled
