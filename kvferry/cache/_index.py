@@ -392,8 +392,8 @@ class KeyIndex:
                 self.size += 1
 
     def remove(self, slots: Sequence[int] | I64) -> list[int]:
-        """Remove the keys of ``slots`` (in range, each once); returns the slots that held
-        no key (left alone)."""
+        """Remove the keys of ``slots`` (in range; a slot named twice, once); returns the
+        slots that held no key (left alone)."""
         arr = np.asarray(slots, np.int64)
         if self._k is not None:
             n = self._k.index_remove(self._cells, self._over, self._cell, self._shift, arr)
@@ -415,6 +415,9 @@ class KeyIndex:
         ncells, cells, over, where, shift = self._ncells, self._cm, self._om, self._sm, self._hm
         for s in arr.tolist():
             p = where[s]
+            if p == NO_SLOT:  # named twice: removed already
+                n -= 1
+                continue
             where[s] = NO_SLOT
             if p == _OTHER:
                 del self._other[self._other_key.pop(s)]
@@ -439,6 +442,7 @@ class KeyIndex:
 
     def _remove_many(self, arr: I64) -> None:
         """:meth:`remove` as numpy passes."""
+        arr = np.unique(arr)  # a slot named twice, once
         pos = self._cell[arr].astype(np.int64)
         other = pos == _OTHER
         for s in arr[other].tolist():

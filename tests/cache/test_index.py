@@ -251,6 +251,23 @@ def test_a_removal_names_the_slots_that_held_no_key_and_removes_the_rest(
     assert index.size == 0
 
 
+@both
+@pytest.mark.parametrize("vectorized", [False, True])
+def test_a_slot_named_twice_in_a_removal_is_removed_once(compiled: bool, vectorized: bool) -> None:
+    """As the dict index does: the table stays whole (no cell emptied twice, no count given
+    back twice) and the size right."""
+    index = KeyIndex(8, digest=colliding, compiled=compiled)
+    if vectorized:
+        index.vectorize_removals = 0
+    keys = [key(i) for i in range(4)]
+    index.insert(keys, np.arange(4))
+    assert index.remove(np.array([1, 1, 2, 1])) == []
+    assert index.size == 2
+    assert index.find(keys) == [0, -1, -1, 3]
+    index.remove(np.array([3, 0, 3]))
+    assert index.size == 0 and int(index._over.sum()) == 0 and (index._cells == EMPTY).all()
+
+
 def test_the_directory_reports_a_slot_it_unindexes_without_a_key() -> None:
     """Invariant: a slot the directory drops holds a key. Broken (here by hand), the
     report names the slot, and the other slots are dropped all the same."""
