@@ -705,6 +705,8 @@ class Directory:
                     BlocksStored(keys=self._keys_of(arr.tolist()), medium=self.medium)
                 )
         else:
+            if len(arr) > 1:  # a slot named twice is freed once (twice, it would be reused)
+                arr = np.unique(arr)
             self._unindex(arr.tolist())
             self._release(arr)
             self.stores_failed += len(arr)

@@ -71,6 +71,18 @@ def test_a_failed_store_is_never_visible_and_frees_its_slot() -> None:
     assert d.prepare_store([k(2)])[0] >= 0
 
 
+@pytest.mark.parametrize("compiled", [False, None])
+def test_a_failed_store_naming_a_slot_twice_frees_it_once(compiled: bool | None) -> None:
+    """A caller's bug: the slot must not enter the free stack twice (two keys would then
+    share it)."""
+    d = Directory(3, compiled=compiled)
+    slots = d.prepare_store([k(1), k(2)])
+    d.complete_store(np.array([slots[0], slots[0], slots[1]]), ok=False)
+    assert d.statistics().used == 0 and d.stores_failed == 2
+    new = d.prepare_store([k(3), k(4), k(5), k(6)])
+    assert sorted(new[:3].tolist()) == [0, 1, 2] and new[3] == -1
+
+
 def test_present_and_repeated_keys_are_skipped() -> None:
     d = Directory(4)
     store(d, k(1))
