@@ -17,7 +17,8 @@ Figures:
 - bytes per block: ``tracemalloc`` (numpy's buffers included) of the whole structure
   holding 1,000,000 blocks after 1,000,000 more were stored through it (evictions done,
   ghost lists full), keys of 36 bytes (a 32-byte block hash + a 4-byte group), held by
-  nothing but the structure.
+  nothing but the structure; at the default watermarks, and at the connector's (1, 1)
+  (``*_inline``: with the dict index, LRU's order is then an OrderedDict).
 - the directory's two key indexes: its default (``index``: compact from 100k slots where
   compiled, else a dict), and each named, ``index="dict"`` (a dict of the caller's keys)
   and ``index="compact"`` (no Python object per block): ``*_dict`` and ``*_compact``
@@ -538,6 +539,10 @@ def memory_table(n: int) -> dict[str, float]:
         "kvferry s3fifo": (lambda c: Directory(c, policy="s3fifo"), kvferry_store),
         "kvferry lru, dict index": (lambda c: Directory(c, index="dict"), kvferry_store),
         "kvferry lru, compact index": (lambda c: Directory(c, index="compact"), kvferry_store),
+        "kvferry lru, evict inline (1,1)": (
+            lambda c: Directory(c, watermarks=(1.0, 1.0)),
+            kvferry_store,
+        ),
     }
     mem: dict[str, float] = {}
     print(
@@ -619,6 +624,7 @@ def main() -> None:
         "arc": None,
         "lru_dict": None,
         "lru_compact": None,
+        "lru_inline": None,
     }
     if not args.skip_memory:
         mem = memory_table(n)
@@ -627,6 +633,7 @@ def main() -> None:
             mem_ratio[f"lru_{variant}"] = round(
                 mem[f"kvferry lru, {variant} index"] / mem["vllm lru"], 3
             )
+        mem_ratio["lru_inline"] = round(mem["kvferry lru, evict inline (1,1)"] / mem["vllm lru"], 3)
         idx = index_figures(n, [list(keys) for keys in make_trace(seed=seed)[0][:2000]])
         print(
             f"\nkey index, {n} keys: dict {idx['dict_bytes_per_key']:.0f} B/key, "
@@ -683,6 +690,7 @@ def main() -> None:
                 "ns_per_op_vs_vllm_arc_compact": median(ratios.get("arc_compact")),
                 "ns_per_op_vs_vllm_arc_compact_spread": span(ratios.get("arc_compact")),
                 "bytes_per_block_vs_vllm_compact": mem_ratio["lru_compact"],
+                "bytes_per_block_vs_vllm_inline": mem_ratio["lru_inline"],
                 "ns_per_op_vs_vllm_lru_python": median(ratios.get("lru_python")),
                 "ns_per_op_vs_vllm_arc_python": median(ratios.get("arc_python")),
                 "hit_rate_lru": median(rates.get("kvferry lru")),

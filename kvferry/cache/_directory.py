@@ -101,10 +101,10 @@ a dict's few gets cost less than the kernel's call and the keys' join. Measured 
 2-core machine: ``benchmarks/scheduler_overhead.py`` (a host tier of 1,536 slots),
 ``sched_overhead_vs_vllm`` 0.656, 0.664 with a dict against 0.669, 0.688 compact,
 alternated; ``benchmarks/bookkeeping.py``'s scaling run (ns per block-op, the best
-segment, seeds 600-602, alternated, dict / compact): at 10k slots LRU (1, 1) 982-1,004 /
-919-969, ARC (1, 1) 1,529-1,657 / 1,459-1,671; at 100k 1,200-1,213 / 963-1,116 and
-1,879-1,954 / 1,701-1,790; at 1M 1,361-1,571 / 997-1,070 and 2,206-2,420 /
-1,727-1,854."""
+segment, seeds 600-602, alternated, dict / compact, LRU's order an OrderedDict with the
+dict and logs with the compact index): at 10k slots LRU (1, 1) 859-950 / 782-902, ARC
+(1, 1) 1,436-1,563 / 1,422-1,569; at 100k 1,104-1,346 / 956-1,050 and 1,794-1,919 /
+1,517-1,722; at 1M 1,380-1,474 / 1,023-1,192 and 2,011-2,125 / 1,599-1,688."""
 
 _KEEP_LOOKUPS_FROM = 1_000_000
 """From this many slots (with the compiled loops) a request's lookup is kept for the touch
@@ -192,9 +192,11 @@ class Directory:
         where compiled, else a dict."""
         self.low, self.high = check_watermarks(watermarks)
         # LRU's order: an OrderedDict where a store evicts its few blocks inline (the
-        # connector's watermarks (1, 1)), with either index; numpy logs for the evictor's
-        # large batches and for millions of slots (from _LOG_ORDER_FROM).
-        inline = self.high >= 1.0 and num_slots < _LOG_ORDER_FROM
+        # connector's watermarks (1, 1)) with the dict index; numpy logs for the evictor's
+        # large batches, with the compact index (an OrderedDict would hold ~200 bytes a
+        # block: no Python object per block is the point of it), and for millions of slots
+        # (from _LOG_ORDER_FROM).
+        inline = self.high >= 1.0 and index == "dict" and num_slots < _LOG_ORDER_FROM
         self.policy = make_policy(
             policy,
             num_slots,
