@@ -18,7 +18,8 @@ Figures:
   holding 1,000,000 blocks after 1,000,000 more were stored through it (evictions done,
   ghost lists full), keys of 36 bytes (a 32-byte block hash + a 4-byte group), held by
   nothing but the structure; at the default watermarks, and at the connector's (1, 1)
-  (``*_inline``: with the dict index, LRU's order is then an OrderedDict).
+  (``*_inline``: below 1M slots, with the dict index, LRU's order is then an
+  OrderedDict; at the table's 1M, logs with either).
 - the directory's two key indexes: its default (``index``: compact from 100k slots where
   compiled, else a dict), and each named, ``index="dict"`` (a dict of the caller's keys)
   and ``index="compact"`` (no Python object per block): ``*_dict`` and ``*_compact``
