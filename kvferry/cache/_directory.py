@@ -126,6 +126,20 @@ _EPOCH_MAX = 0xFFFF_FFFF
 _log = get_logger("kvferry.cache")
 
 
+def _first_of_each(slots: I64) -> I64:
+    """``slots`` with each slot's first place only, in order (``slots`` itself when none
+    repeats, the common case: a set of a few dozen ints, or one sort for more)."""
+    if len(slots) <= _SMALL:
+        listed = slots.tolist()
+        if len(set(listed)) == len(listed):
+            return slots
+        return np.array(list(dict.fromkeys(listed)), np.int64)
+    _, first = np.unique(slots, return_index=True)
+    if len(first) == len(slots):
+        return slots
+    return slots[np.sort(first)]
+
+
 class _Kept:
     """A request's lookup kept for its touch: its keys, their slots (-1: absent), and the
     release counter and the inserts when they were right."""
@@ -668,10 +682,16 @@ class Directory:
         if not len(arr):
             return
         st, end = self._st, self.num_slots
-        # All STORING, the common case: the compiled loop makes them READY as it checks.
+        # All STORING, none named twice, the common case: the compiled loop makes them
+        # READY as it checks.
         made_ready = (
             ok and self._k is not None and self._k.ready_if_all_storing(self._state, arr, end)
         )
+        if not made_ready and len(arr) > 1:
+            # A caller's bug: a slot named twice is completed once (twice, a READY one
+            # would be admitted and announced twice, a freed one enter the free stack
+            # twice and two keys could then share it).
+            arr = _first_of_each(arr)
         live = None
         if not made_ready and (
             len(arr) > _SMALL  # a step's store is checked in Python
@@ -707,8 +727,6 @@ class Directory:
                     BlocksStored(keys=self._keys_of(arr.tolist()), medium=self.medium)
                 )
         else:
-            if len(arr) > 1:  # a slot named twice is freed once (twice, it would be reused)
-                arr = np.unique(arr)
             self._unindex(arr.tolist())
             self._release(arr)
             self.stores_failed += len(arr)

@@ -183,11 +183,15 @@ def _compile(numba: Any) -> SimpleNamespace:
 
     @njit(sigs("boolean", "state", "slots", "int64"))
     def ready_if_all_storing(state: Any, slots: Any, num_slots: int) -> bool:
-        """Make every one of ``slots`` READY if all are STORING; else nothing."""
-        for s in slots:
+        """Make every one of ``slots`` READY if all are STORING and none is named twice
+        (its second time reads READY); else nothing (what was made READY is STORING
+        again)."""
+        for i in range(len(slots)):
+            s = slots[i]
             if s < 0 or s >= num_slots or state[s] != STORING:
+                for j in range(i):
+                    state[slots[j]] = STORING
                 return False
-        for s in slots:
             state[s] = READY
         return True
 

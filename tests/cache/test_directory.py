@@ -83,6 +83,45 @@ def test_a_failed_store_naming_a_slot_twice_frees_it_once(compiled: bool | None)
     assert sorted(new[:3].tolist()) == [0, 1, 2] and new[3] == -1
 
 
+@pytest.mark.parametrize("compiled", [False, None])
+@pytest.mark.parametrize("policy", ["lru", "arc", "s3fifo"])
+@pytest.mark.parametrize("n", [2, 60])  # a check in Python, or one sort (more than _SMALL)
+def test_a_completed_store_naming_a_slot_twice_makes_it_ready_once(
+    compiled: bool | None, policy: str, n: int
+) -> None:
+    """A caller's bug: the slot is admitted, counted and announced once, and evicted
+    once (the policy does not hold it twice)."""
+    d = Directory(n + 1, policy=policy, watermarks=(1.0, 1.0), events=True, compiled=compiled)
+    keys = [k(i) for i in range(n)]
+    slots = d.prepare_store(keys)
+    d.complete_store(np.concatenate([slots, slots[:1]]), ok=True)
+    assert d.stores_completed == n and d.statistics().used == n
+    (stored,) = d.take_events()
+    assert list(stored.keys) == keys
+    assert d.lookup(keys) == n
+    # Filling the directory again evicts every one of them, each once.
+    fresh = [k(1000 + i) for i in range(n + 1)]
+    assert (store(d, *fresh) >= 0).all()
+    assert d.evictions == n and d.lookup(keys[:1]) == 0 and d.invariant_errors == 0
+    assert d.statistics().used == n + 1
+
+
+@pytest.mark.parametrize("compiled", [False, None])
+@pytest.mark.parametrize("ok", [True, False])
+def test_a_store_a_reset_dropped_naming_a_slot_twice_frees_it_once(
+    compiled: bool | None, ok: bool
+) -> None:
+    """The stores in flight at a reset are freed when they end, each slot once: a slot
+    named twice must not enter the free stack twice."""
+    d = Directory(3, compiled=compiled)
+    slots = d.prepare_store([k(1), k(2)])
+    d.reset()
+    d.complete_store(np.array([slots[0], slots[0], slots[1]]), ok=ok)
+    assert d.statistics().used == 0 and d.lookup([k(1)]) == 0
+    new = d.prepare_store([k(3), k(4), k(5), k(6)])
+    assert sorted(new[:3].tolist()) == [0, 1, 2] and new[3] == -1
+
+
 def test_present_and_repeated_keys_are_skipped() -> None:
     d = Directory(4)
     store(d, k(1))
