@@ -691,7 +691,12 @@ class Directory:
             # A caller's bug: a slot named twice is completed once (twice, a READY one
             # would be admitted and announced twice, a freed one enter the free stack
             # twice and two keys could then share it).
-            arr = _first_of_each(arr)
+            once = _first_of_each(arr)
+            if len(once) < len(arr):
+                self._broken(
+                    "complete_store_named_a_slot_twice", "completed once", slots=arr.tolist()
+                )
+                arr = once
         live = None
         if not made_ready and (
             len(arr) > _SMALL  # a step's store is checked in Python

@@ -78,7 +78,7 @@ def test_a_failed_store_naming_a_slot_twice_frees_it_once(compiled: bool | None)
     d = Directory(3, compiled=compiled)
     slots = d.prepare_store([k(1), k(2)])
     d.complete_store(np.array([slots[0], slots[0], slots[1]]), ok=False)
-    assert d.statistics().used == 0 and d.stores_failed == 2
+    assert d.statistics().used == 0 and d.stores_failed == 2 and d.invariant_errors == 1
     new = d.prepare_store([k(3), k(4), k(5), k(6)])
     assert sorted(new[:3].tolist()) == [0, 1, 2] and new[3] == -1
 
@@ -102,7 +102,8 @@ def test_a_completed_store_naming_a_slot_twice_makes_it_ready_once(
     # Filling the directory again evicts every one of them, each once.
     fresh = [k(1000 + i) for i in range(n + 1)]
     assert (store(d, *fresh) >= 0).all()
-    assert d.evictions == n and d.lookup(keys[:1]) == 0 and d.invariant_errors == 0
+    assert d.evictions == n and d.lookup(keys[:1]) == 0
+    assert d.invariant_errors == 1  # the caller's bug is named
     assert d.statistics().used == n + 1
 
 
@@ -118,6 +119,7 @@ def test_a_store_a_reset_dropped_naming_a_slot_twice_frees_it_once(
     d.reset()
     d.complete_store(np.array([slots[0], slots[0], slots[1]]), ok=ok)
     assert d.statistics().used == 0 and d.lookup([k(1)]) == 0
+    assert d.invariant_errors == 1
     new = d.prepare_store([k(3), k(4), k(5), k(6)])
     assert sorted(new[:3].tolist()) == [0, 1, 2] and new[3] == -1
 
