@@ -193,7 +193,7 @@ class Directory:
         if num_slots <= 0:
             raise ValueError(f"num_slots must be > 0, got {num_slots}")
         if index not in ("compact", "dict", None):
-            raise ValueError(f'index must be "compact" or "dict", got {index!r}')
+            raise ValueError(f'index must be "compact", "dict" or None, got {index!r}')
         check_store_threshold(store_threshold)
         self.num_slots = num_slots
         # The per-request loops over slots, compiled (numba) or None: in Python.

@@ -304,3 +304,8 @@ def test_admission_forgets_the_least_recently_offered_keys_first() -> None:
     assert adm.offer(b).tolist() == [False]  # b counts from one again (a goes)
     assert adm.offer(c).tolist() == [True]
     assert adm.skipped == 4
+
+
+def test_an_unknown_index_is_refused_with_the_choices() -> None:
+    with pytest.raises(ValueError, match=r'"compact", "dict" or None, got \'hash\''):
+        Directory(4, index="hash")
