@@ -39,6 +39,10 @@ def free_port(*, cluster: bool = False) -> int:
     raise RuntimeError("no free loopback port for a cluster node")
 
 
+class _PortTaken(RuntimeError):
+    """redis-server could not bind its port (or its cluster bus port)."""
+
+
 def redis_available() -> bool:
     return shutil.which("redis-server") is not None and shutil.which("redis-cli") is not None
 
@@ -69,7 +73,10 @@ class RedisServer:
         extra: tuple[str, ...] = (),
     ) -> None:
         self.directory = directory
-        self.port = port or free_port(cluster="--cluster-enabled" in extra)
+        self._cluster = "--cluster-enabled" in extra
+        self._picked = port is None
+        """The port is this object's own pick: a first start may take another (below)."""
+        self.port = port or free_port(cluster=self._cluster)
         self.password = password
         self.extra = extra
         self.proc: subprocess.Popen[bytes] | None = None
@@ -81,6 +88,22 @@ class RedisServer:
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
+        """Start it and wait until it answers. A port picked here can be taken by another
+        process between the pick and the start (a cluster's bus port, +10000, is in the
+        kernel's range for outgoing connections): the first start then picks another,
+        a few times. A given port, or a restart, keeps its port. Read ``port`` and
+        ``url`` after it."""
+        for attempt in range(5):
+            try:
+                self._start()
+                break
+            except _PortTaken:
+                if not self._picked or attempt == 4:
+                    raise
+                self.port = free_port(cluster=self._cluster)
+        self._picked = False  # started once: a restart comes back on this port
+
+    def _start(self) -> None:
         assert self.proc is None, "already running"
         args = [
             "redis-server",
@@ -93,12 +116,16 @@ class RedisServer:
             *(("--requirepass", self.password) if self.password else ()),
             *self.extra,
         ]  # fmt: skip
+        log_file = self.directory / "redis.log"
+        seen = log_file.stat().st_size if log_file.exists() else 0  # an earlier start's
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             if self.proc.poll() is not None:
-                log = (self.directory / "redis.log").read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"redis-server on port {self.port} exited: {log}")
+                self.proc = None
+                log = log_file.read_bytes()[seen:].decode(errors="replace")[-2000:]
+                error = _PortTaken if "Address already in use" in log else RuntimeError
+                raise error(f"redis-server on port {self.port} exited: {log}")
             try:
                 if b"PONG" in _ping(self.port, self.password):
                     return
