@@ -138,7 +138,7 @@ class KeyIndex:
         self._cm, self._om = self._cells.data, self._over.data
         self._sm, self._hm = self._cell.data, self._shift.data
         self.key_len: int | None = None
-        """The length of compact keys: set by the first key stored (of 8 bytes or more)."""
+        """The length of compact keys: set by the first key stored of 8 bytes or more."""
         self._kb = bytearray()  # capacity * key_len bytes: slot s at s * key_len
         self._kbw = np.frombuffer(self._kb, np.uint32)  # the same as words, for the kernels
         self._other: dict[bytes, int] = {}  # keys of another length, and back
@@ -302,12 +302,17 @@ class KeyIndex:
             self._recent_key.update(zip(slot_list, keys, strict=True))
 
     def _room_for(self, keys: Sequence[bytes]) -> None:
-        """Refuse a batch beyond the capacity; learn the compact length from the first key."""
+        """Refuse a batch beyond the capacity; learn the compact length from the first key
+        of ``MIN_KEY_LEN`` bytes or more (the shorter keys stored before it, in the other
+        keys' dict, can never have that length: every key is looked for where it is)."""
         n = len(keys)
         if self.size + n > self.capacity:
             raise OverflowError(f"KeyIndex of {self.capacity} keys: {self.size} + {n}")
-        if n and self.key_len is None and len(keys[0]) >= MIN_KEY_LEN:
-            self.key_len = len(keys[0])
+        if not n or self.key_len is not None:
+            return
+        first = next((k for k in keys if len(k) >= MIN_KEY_LEN), None)
+        if first is not None:
+            self.key_len = len(first)
             self._kb = bytearray(self.capacity * self.key_len)
             if self.key_len % 4:  # the kernels read words: Python's hash and loops serve
                 self._k, self._own_digest = None, False

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvferry.cache import Directory
+from kvferry.cache import Directory, replay
 from kvferry.cache._index import EMPTY, KeyIndex
 
 from ._compiled import both
@@ -136,6 +136,34 @@ def test_keys_of_another_length_than_the_first_work_too(compiled: bool) -> None:
     index.remove(np.array([3, 0]))
     assert index.find([key(9)[:35], key(1), b"y" * 100]) == [-1, -1, 5]
     assert index.holds(np.arange(6)).tolist() == [False, True, True, False, True, True]
+
+
+@both
+def test_the_compact_length_is_learnt_from_the_first_long_enough_key(compiled: bool) -> None:
+    """A first batch that starts with a key too short to be compact: the length is the
+    first long-enough key's, and that key (stored in the same batch) is found in the table,
+    before and after more keys of its length came in."""
+    index = KeyIndex(8, compiled=compiled)
+    index.insert([b"tiny", key(1)], np.array([0, 1]))
+    assert index.key_len == 36
+    index.insert([key(2)], np.array([2]))
+    index._recent.clear()  # (the Python path's dict of recent answers, emptied when full)
+    assert index.find([key(1), b"tiny", key(2), key(3)]) == [1, 0, 2, -1]
+    assert index.find_array([key(1)]).tolist() == [1]
+
+
+def test_a_directory_whose_first_key_is_short_finds_the_keys_stored_with_it() -> None:
+    """Found, the key is a hit, is not stored a second time, and the events replay to
+    what a lookup hits."""
+    for compiled in (False, True):
+        d = Directory(4, index="compact", compiled=compiled, watermarks=(1.0, 1.0), events=True)
+        a, b, c = key(1), key(2), key(3)
+        d.complete_store(d.prepare_store([b"k", a]), True)  # slots 0, 1
+        d.complete_store(d.prepare_store([b]), True)
+        assert d.lookup([a]) == 1, compiled
+        assert d.prepare_store([a]).tolist() == [-1], compiled  # present: not stored again
+        d.complete_store(d.prepare_store([c]), True)
+        assert replay(d.take_events()) == d.visible_keys(), compiled
 
 
 @both
