@@ -358,7 +358,13 @@ class WorkerSide:
 
         # Redis's sockets need a loop running between engine steps: a loop thread.
         kind = "thread" if redis_ is not None else self.cfg.runtime
-        self.runtime, refs = start_runtime(kind, setup)
+        try:
+            self.runtime, refs = start_runtime(kind, setup)
+        except BaseException:
+            # (Redis unreachable, say): nothing else would close them.
+            engine.close()
+            self.pool.close()
+            raise
         self._refs = refs
         self._engine = engine
         if refs.disk is not None and tier is not None:

@@ -15,11 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from kvferry import ConfigError, FerryConfig
 
 from ..tiers.redis_servers import RedisServer, free_port, redis_available
-from ._halves import SLOT_BYTES, Halves
+from ._halves import LAYERS, SLOT_BYTES, Halves
 from ._steps import BLOCK, allocated, key, request
 
 pytestmark = pytest.mark.skipif(not redis_available(), reason="needs redis-server (make test)")
@@ -206,12 +207,84 @@ def test_lookup_wait_ms_bounds_the_asking_again(
         own.kill()
 
 
+def test_a_slow_redis_never_makes_an_engine_step_wait(
+    make_engine: Callable[..., Engine], tmp_path: Path
+) -> None:
+    """Existence checks are out two at a time at most: while Redis is slow to answer, the
+    keys of later steps wait for a later check instead of piling up in the checker's
+    mailbox, whose bound would make each engine step wait for an answer of Redis. The
+    lookups whose keys were held back end like any other after ``lookup_wait_ms``."""
+    import os
+    import signal
+    import threading
+
+    own = RedisServer(tmp_path / "own")
+    own.start()
+    assert own.proc is not None
+    now = [0.0]
+    try:
+        e = make_engine(url=own.url, clock=lambda: now[0], op_timeout_s=60.0, lookup_wait_ms=100)
+        reqs = [request(f"r{i}", 2 * BLOCK, seed=100 + i) for i in range(100)]
+        said: list[tuple[int | None, bool]] = []
+
+        def engine_thread() -> None:
+            for r in reqs:  # a new prompt every step
+                e.sched.on_new_request(r)
+                said.append(e.sched.get_num_new_matched_tokens(r, 0))
+                e.step()
+
+        engine = threading.Thread(target=engine_thread, daemon=True)
+        os.kill(own.proc.pid, signal.SIGSTOP)  # alive, answers nothing for now
+        try:
+            engine.start()
+            engine.join(20.0)  # a bound, not a wait: unhindered, the steps take milliseconds
+            assert not engine.is_alive(), f"step {len(said)} waited for Redis"
+        finally:
+            os.kill(own.proc.pid, signal.SIGCONT)
+            engine.join(60.0)
+        assert said == [(None, False)] * len(reqs)  # each asked again: no answer yet
+        tier = e.sched.redis
+        assert tier is not None and tier.statistics().keys_checked == 2 * 2  # two checks
+        now[0] += 0.1  # lookup_wait_ms: the chunks not answered for are misses
+        assert all(e.sched.get_num_new_matched_tokens(r, 0) == (0, False) for r in reqs)
+        # Redis answers: the keys held back go with a later check, every check answered.
+        keys = [key(r, c) for r in reqs for c in range(2)]
+        e.run_until(lambda: not tier.known(keys)[1].any())
+        stats = tier.statistics()
+        assert stats.keys_checked == len(keys) and stats.checks_unanswered == 0
+    finally:
+        own.kill()
+
+
 def test_an_unreachable_url_fails_the_start_naming_the_key(
     make_vllm_config: Any, kv_cache_config: Any
 ) -> None:
     url = f"redis://127.0.0.1:{free_port()}/0"
     with pytest.raises(ConfigError, match=r"tiers\[0\]\.url"):
         Engine(make_vllm_config, kv_cache_config, 0, url=url, connect_timeout_s=0.5)
+
+
+def test_a_start_that_fails_leaves_no_copy_thread_behind(
+    make_vllm_config: Any, kv_cache_config: Any
+) -> None:
+    """The worker builds its host pool and copy engine before the runtime, whose start
+    connects to Redis: a start that fails there closes them (nothing else would)."""
+    import threading
+
+    from kvferry.connector._worker import WorkerSide
+
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    extra = {
+        "cpu_bytes_to_use": 8 * SLOT_BYTES,
+        "tiers": [{"kind": "redis", "url": url, "connect_timeout_s": 0.5}],
+    }
+    worker = WorkerSide(make_vllm_config(extra), kv_cache_config, FerryConfig.from_dict(extra))
+    kv = {n: torch.zeros(2, 16, BLOCK, 2, 64).bfloat16() for n in LAYERS}
+    with pytest.raises(ConfigError, match=r"tiers\[0\]\.url"):
+        worker.register_kv_caches(kv)
+    copying = [t.name for t in threading.enumerate() if t.name.startswith("kvferry-copy")]
+    assert copying == []
+    worker.shutdown()  # what vLLM may still call: nothing left to close twice
 
 
 def test_the_stepped_runtime_is_refused_with_a_redis_tier() -> None:
