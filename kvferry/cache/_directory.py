@@ -964,6 +964,13 @@ class Directory:
                 self._events.append(BlocksRemoved(keys=keys, medium=self.medium))
         return keys
 
+    def pinned(self) -> tuple[I64, list[Key], I64]:
+        """The READY slots pinned now (by loads, by lookups' leases): the slots in order,
+        their keys, their pins. O(capacity). A lower tier's directory asks before a
+        :meth:`reset`, which forgets these keys while their bytes are still read."""
+        slots = np.flatnonzero((self._state[:-1] == READY) & (self._pins[:-1] > 0))
+        return slots, self._keys_of(slots), self._pins[slots].astype(np.int64)
+
     def reset(self) -> int:
         """Forget every key at once (vLLM's ``reset_prefix_cache``); returns how many READY
         blocks were dropped.

@@ -11,6 +11,11 @@ rank: ``bytes_to_use / world_size / file size`` of them. Eviction (the tier's ow
 ``eviction_policy``) picks victims among READY, unpinned keys; a pin is a read in flight
 (a lookup's lease, then the load). Victims become ``deletes`` for the workers.
 
+A reset forgets every key at once, but the files of the jobs in flight outlive it: a
+chunk still read (pinned) is deleted when its last pin is released, and a write in flight
+ends unseen, its files deleted then, unless the key was written again meanwhile (that
+write owns the file: kept if it ended well everywhere, else deleted).
+
 At start (warm restart) the files are found by scanning each rank's directory
 (:meth:`~kvferry.tiers.DiskStore.scan`: names and sizes, no reads, a progress line in the
 log); a key held by every rank is READY, one held by some ranks only is deleted. Every
@@ -20,6 +25,7 @@ read verifies the chunk anyway: a file that went bad since is a miss, never a lo
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -81,6 +87,13 @@ class DiskTier:
         self._deletes: list[bytes] = []
         self.restored = 0
         self._writing = 0
+        # Per slot: a write in flight; one a reset dropped (its files are nobody's).
+        self._writes_out = np.zeros(capacity, np.bool_)
+        self._writes_dropped = np.zeros(capacity, np.bool_)
+        self._dropped_reads: dict[int, list[Any]] = {}
+        """Slot -> [key, pins left]: a chunk still read when a reset forgot it."""
+        self._unowned: set[bytes] = set()
+        """Keys of files nobody holds, written again since: that write decides."""
         self._log = get_logger("kvferry.connector", role="scheduler", tier=tier.index)
 
     @property
@@ -133,28 +146,70 @@ class DiskTier:
         return self.dir.lease(keys)
 
     def unpin(self, slots: npt.ArrayLike) -> None:
-        if len(np.asarray(slots)):
-            self.dir.unpin(slots)
+        arr = np.asarray(slots, np.int64)
+        if len(arr):
+            self.dir.unpin(arr)
+            if self._dropped_reads:
+                self._reads_unpinned(arr)
+
+    def _reads_unpinned(self, slots: I64) -> None:
+        """Pins released of chunks a reset forgot: a chunk's file goes with its last."""
+        for s in slots.tolist():
+            held = self._dropped_reads.get(s)
+            if held is None:
+                continue
+            held[1] -= 1
+            if held[1] <= 0:
+                del self._dropped_reads[s]
+                self._delete_unheld([held[0]])
+
+    def _delete_unheld(self, keys: Sequence[bytes]) -> None:
+        """Files the directory no longer holds: deleted with the next step, unless their
+        key was entered again (written since: that write's file, or in flight)."""
+        for k in keys:
+            slot = self.dir.slot_of(k)
+            if slot is None:
+                self._deletes.append(k)
+            elif self._writes_out[slot]:
+                self._unowned.add(k)  # its write decides (writes_ended)
 
     def prepare_writes(self, keys: Sequence[bytes]) -> I64:
         """Places for the keys to write down; -1 where skipped (present, not admitted by
         ``store_threshold``, or no room: nothing evictable)."""
         places = self.dir.prepare_store(keys)
-        self._writing += int(np.count_nonzero(places >= 0))
+        chosen = places[places >= 0]
+        self._writing += len(chosen)
+        self._writes_out[chosen] = True
         return places
 
     def writes_ended(self, slots: I64, keys: Sequence[bytes], failed: npt.NDArray[np.int64]) -> int:
         """A write job ended on every worker; ``failed[i]``: on how many chunk i failed.
-        Returns how many chunks are now on disk."""
+        Returns how many chunks are now on disk (a write a reset dropped is not kept)."""
         ok = failed == 0
         self._writing -= len(slots)
-        self.dir.complete_store(slots[ok], True)
+        dropped = self._writes_dropped[slots]
+        self._writes_dropped[slots] = False
+        self._writes_out[slots] = False
+        self.dir.complete_store(slots[ok], True)  # a dropped slot is freed, never READY
         self.dir.complete_store(slots[~ok], False)
+        counts = failed.tolist()
         # Written by some workers only: those files are of no use.
         self._deletes.extend(
-            k for k, f in zip(keys, failed.tolist(), strict=True) if 0 < f < self.world_size
+            k for k, f in zip(keys, counts, strict=True) if 0 < f < self.world_size
         )
-        return int(ok.sum())
+        if self._unowned:
+            for k, f in zip(keys, counts, strict=True):
+                if k in self._unowned:
+                    self._unowned.discard(k)
+                    if f == self.world_size:  # failed everywhere: the older file stayed
+                        self._deletes.append(k)
+        if dropped.any():
+            # Written everywhere after a reset forgot them: nobody's files, unless the
+            # key was written again since.
+            self._delete_unheld(
+                [k for k, d, f in zip(keys, dropped.tolist(), counts, strict=True) if d and f == 0]
+            )
+        return int(np.count_nonzero(ok & ~dropped))
 
     def reads_ended(self, keys: Sequence[bytes], failed: npt.NDArray[np.int64]) -> None:
         """A load's reads ended (its pins released first): a key that failed on some
@@ -164,7 +219,27 @@ class DiskTier:
             self.dir.discard(bad)
 
     def reset(self) -> int:
-        return self.dir.reset()
+        """Forget every key (vLLM's ``reset_prefix_cache``); returns how many were READY.
+        Their files are deleted with the next step, but those a read still reads (each
+        once its last pin is released: :meth:`unpin`) and those of writes in flight
+        (once they ended: :meth:`writes_ended`)."""
+        # The reset drops the events not yet taken (moot for KV events): not the deletes
+        # of the removals among them.
+        for ev in self.dir.take_events():
+            if isinstance(ev, BlocksRemoved):
+                self._deletes.extend(ev.keys)
+        slots, keys, pins = self.dir.pinned()
+        self._writes_dropped |= self._writes_out
+        dropped = self.dir.reset()
+        read = set(keys)
+        for ev in self.dir.take_events():
+            if isinstance(ev, BlocksRemoved):
+                self._deletes.extend(k for k in ev.keys if k not in read)
+            if self._forward_events:
+                self._events.append(ev)
+        for s, k, p in zip(slots.tolist(), keys, pins.tolist(), strict=True):
+            self._dropped_reads[s] = [k, p]
+        return dropped
 
     def _drain(self) -> None:
         for ev in self.dir.take_events():

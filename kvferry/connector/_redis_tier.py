@@ -9,7 +9,10 @@ Existence checks never run on the engine thread. Keys a lookup needs an answer f
 gathered during the step and sent once per step (:meth:`RedisTier.flush`) to a checker
 actor on a loop thread of its own (whatever the connector's runtime), which asks every
 rank's keys in one pipeline each and leaves the answers in a queue the engine thread
-drains at its next lookup. While a request's answer is out, its lookup says "ask again"
+drains at its next lookup. At most :data:`MAX_CHECKS_OUT` checks are out at once: while
+Redis is slow to answer, later keys wait for a later step's check, so the checker's
+mailbox never fills (a full one would make the engine thread wait for Redis in
+:meth:`RedisTier.flush`). While a request's answer is out, its lookup says "ask again"
 (vLLM's ``None``), for at most ``lookup_wait_ms``; then the chunks not answered for are
 misses. Answers are kept a short while (:data:`ANSWER_TTL_S`); a chunk this engine wrote
 is known present, one whose read failed is known absent.
@@ -62,6 +65,10 @@ again, at its next load from host memory."""
 MAX_UNWRITTEN = 1 << 16
 """Chunks whose write failed remembered at most (the oldest are forgotten first)."""
 
+MAX_CHECKS_OUT = 2
+"""Existence checks sent and not answered, at most: one being asked, one waiting in the
+checker's mailbox (far below its bound); the keys asked meanwhile go with a later one."""
+
 
 @attrs.frozen
 class _Check:
@@ -106,7 +113,15 @@ class _Checker(Actor[_Check]):
             await store.aclose()
 
     async def handle(self, msg: _Check) -> None:
-        keys = list(msg.keys)
+        answer: Bools | None = None
+        try:
+            answer = await self._ask(list(msg.keys))
+        finally:
+            # Every check is answered, None if it failed: the engine thread counts the
+            # checks out by their answers. Thread-safe; drained on the engine thread.
+            self.answered.append((msg.keys, answer))
+
+    async def _ask(self, keys: list[bytes]) -> Bools | None:
         found: Bools | None = np.ones(len(keys), np.bool_)
         for store in self.stores:  # a chunk is there if every rank wrote its part
             if found is None or not found.any():
@@ -120,7 +135,7 @@ class _Checker(Actor[_Check]):
                 found = None  # no answer (a timeout, an error): the lookup may ask again
             else:
                 found[idx] = got
-        self.answered.append((msg.keys, found))  # thread-safe; drained on the engine thread
+        return found
 
 
 class RedisTier:
@@ -148,6 +163,8 @@ class RedisTier:
         """Keys sent and not answered yet."""
         self._to_ask: dict[bytes, None] = {}
         """Keys to send with this step's check (ordered, unique)."""
+        self._checks_out = 0
+        """Checks sent whose answer is not drained yet (:data:`MAX_CHECKS_OUT`)."""
         self._writing: set[bytes] = set()
         self._unwritten: OrderedDict[bytes, float] = OrderedDict()
         """Chunks whose write failed → when they may be offered again."""
@@ -191,6 +208,7 @@ class RedisTier:
         answers = self._answers
         while self._answered:
             keys, found = self._answered.popleft()
+            self._checks_out -= 1
             if found is None:
                 self._asked.difference_update(keys)
                 self._c["checks_unanswered"] += 1
@@ -233,9 +251,15 @@ class RedisTier:
         self._c["lookups_unanswered" if gave_up else "lookups_waited"] += 1
 
     def flush(self) -> None:
-        """Send this step's existence check (once per step, from build_connector_meta)."""
+        """Send this step's existence check (once per step, from build_connector_meta),
+        unless :data:`MAX_CHECKS_OUT` are out: its keys then wait for a later step's.
+        Never waits for Redis."""
         if not self._to_ask:
             return
+        self._drain()
+        if self._checks_out >= MAX_CHECKS_OUT:
+            return
+        self._checks_out += 1
         keys = tuple(self._to_ask)
         self._to_ask = {}
         self._asked.update(keys)

@@ -561,6 +561,7 @@ class DiskStore:
             self._reserved += size
         final = self.path_of(key)
         tmp = f"{final.parent}/{key.hex()}.{os.getpid()}.{next(self._temp_names)}{_TEMP_SUFFIX}"
+        renamed = False
         try:
             header = self._thread_buffers()[0]
             header[:] = ChunkHeader(
@@ -575,10 +576,18 @@ class DiskStore:
                 bounce[n - start :] = bytes(len(bounce) - (n - start))
             self._write_file(tmp, [header, *segments])
             self._ops.rename(tmp, str(final))
+            renamed = True
             if self.fsync == "always":
                 self._ops.fsync_dir(str(final.parent))
         except OSError as exc:
-            self._unlink(tmp)
+            if renamed:
+                # The chunk is complete under its final name (over any earlier chunk of
+                # the key), but not durable: a file the index does not hold would be
+                # neither counted nor ever deleted, so it goes, with the key.
+                self._forget(key, None)
+                self._unlink(str(final))
+            else:
+                self._unlink(tmp)
             outcome = _ERRNO_OUTCOME.get(exc.errno or 0, Outcome.IO_ERROR)
             with self._lock:
                 self._reserved -= size

@@ -741,8 +741,13 @@ class RedisStore:
             return Outcome.UNAVAILABLE
         timeout = self.op_timeout_s if timeout_s is None else min(timeout_s, self.op_timeout_s)
         if admission == "probe":
-            ok = await self._probe(timeout)
-            self.breaker.probed(ok)
+            ok = False
+            try:
+                ok = await self._probe(timeout)
+            finally:
+                # Reported however the probe ends, a caller's cancellation too (a failed
+                # probe: another cool-down): half-open, the breaker rejects everything else.
+                self.breaker.probed(ok)
             if not ok:
                 return Outcome.UNAVAILABLE
             self._log.info("redis_breaker_closed")

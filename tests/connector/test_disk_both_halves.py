@@ -8,6 +8,7 @@ the scheduler drops the chunk; a restart finds the files again."""
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 import pytest
 
 from kvferry.cache import ClearAll, GetStatistics, LookupEach
-from kvferry.tiers import HEADER_SIZE
+from kvferry.tiers import HEADER_SIZE, FileOps
 from kvferry.tiers._format import file_size
 
 from ._halves import LAYERS, SLOT_BYTES, Halves
@@ -194,3 +195,80 @@ def settle(e: Engine) -> None:
 
 def disk_files(e: Engine) -> int:
     return sum(1 for _ in e.worker.disk.namespace.glob("*/*.kvc"))
+
+
+def write_pending_at_a_reset(e: Engine) -> list[bytes]:
+    """Run a prompt of 3 chunks; reset once its store ended and its disk writes are
+    prepared for the next step; step until they ended (unseen). Its keys."""
+    a = request("a", 3 * BLOCK + 8, seed=1)
+    e.sched.on_new_request(a)
+    e.step({"a": ([1, 2, 3, 4],)}, {"a": a.num_tokens})
+    e.run_until(lambda: bool(e.sched._writes.disk_writes))
+    assert e.sched.reset()
+    e.run_until(lambda: not e.sched._jobs)
+    return [key(a, c) for c in range(3)]
+
+
+def test_a_reset_with_a_disk_write_pending_leaves_no_file_behind(
+    make_engine: Callable[..., Engine],
+) -> None:
+    e = make_engine(bytes_to_use=3 * file_size(SLOT_BYTES))
+    keys = write_pending_at_a_reset(e)
+    e.step()  # the files of the writes the reset dropped are deleted
+    assert not e.sched.disk.ready(keys).any()
+    assert disk_files(e) == 0 and e.worker.disk is not None and e.worker.disk.used_bytes == 0
+
+
+def test_after_that_reset_the_disk_tier_holds_its_capacity_again(
+    make_engine: Callable[..., Engine],
+) -> None:
+    """The worker's files and the scheduler's tier agree: writes the tier admits fit."""
+    e = make_engine(bytes_to_use=3 * file_size(SLOT_BYTES))
+    write_pending_at_a_reset(e)
+    b = request("b", 3 * BLOCK + 8, seed=2)  # another prompt of 3 chunks: the whole tier
+    e.sched.on_new_request(b)
+    e.step({"b": ([5, 6, 7, 8],)}, {"b": b.num_tokens})
+    e.run_until(lambda: not e.sched._jobs and not e.sched._writes.disk_writes)
+    assert e.sched.disk.ready([key(b, c) for c in range(3)]).all()
+    assert e.sched.statistics().disk_writes_failed == 0
+
+
+class HeldReads(FileOps):
+    """A chunk's read opens its file only once ``released``: as late as a read queued
+    behind busy runners may."""
+
+    def __init__(self) -> None:
+        self.released = threading.Event()
+
+    def open(self, path: str, flags: int, mode: int = 0o644) -> int:
+        if path.endswith(".kvc") and flags & os.O_ACCMODE == os.O_RDONLY:
+            self.released.wait(60.0)  # bounded: a test that failed before it released
+        return super().open(path, flags, mode)
+
+
+def test_a_reset_leaves_the_files_of_a_load_in_flight_until_it_ended(
+    make_engine: Callable[..., Engine],
+) -> None:
+    """vLLM resets while a request waits for its KV from disk: the load still finds its
+    files, however late its reads open them, and they are deleted once it ended."""
+    e = make_engine()
+    a, b = request("a", 3 * BLOCK + 8), request("b", 3 * BLOCK + 8)  # the same prompt
+    store_and_write_down(e, a, [1, 2, 3, 4])
+    for n in LAYERS:
+        e.kv[n][:, [9, 10, 11]] = 0
+    e.sched.on_new_request(b)
+    assert e.sched.get_num_new_matched_tokens(b, 0) == (3 * BLOCK, True)
+    e.sched.update_state_after_alloc(b, allocated([9, 10, 11, 12]), 3 * BLOCK)
+    assert e.worker.disk is not None
+    reads = HeldReads()
+    e.worker.disk._ops = reads
+    try:
+        assert e.sched.reset()
+        e.step()  # the load's reads are held; this step's deletes are done on the worker
+    finally:
+        reads.released.set()
+    e.run_until(lambda: "b" in e.recving)
+    assert e.load_errors == set()
+    assert [e.block(x) for x in (9, 10, 11)] == [e.block(x) for x in (1, 2, 3)]
+    e.step()  # the files of the chunks it read are deleted now
+    assert disk_files(e) == 0 and e.worker.disk.used_bytes == 0

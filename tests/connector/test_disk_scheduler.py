@@ -393,6 +393,48 @@ def test_a_reset_clears_the_disk_tier_too(side: Any) -> None:
     assert sorted(side.build_connector_meta(step({}, {})).disk_deletes) == sorted(_keys(a, 2))
 
 
+def test_a_write_a_reset_dropped_has_its_files_deleted_once_it_ended(side: Any) -> None:
+    """The write still lands on every worker; it is not a hit, and its files are nobody's:
+    left there, they would fill the tier behind the scheduler's back."""
+    a = request("a", 2 * BLOCK + 8)
+    [write] = write_through(side, a, [1, 2, 3]).disk_writes
+    assert side.reset()
+    assert side.build_connector_meta(step({}, {})).disk_deletes == []  # still writing
+    side.update_connector_output(reported({write.job_id: [1, 0]}, {write.job_id: [0, 0]}))
+    assert not side.disk.ready(_keys(a, 2)).any()
+    assert sorted(side.build_connector_meta(step({}, {})).disk_deletes) == sorted(_keys(a, 2))
+    assert side.disk.dir.statistics().used == 0
+
+
+def test_a_reset_deletes_the_chunks_a_load_reads_only_once_the_load_ended(side: Any) -> None:
+    """vLLM resets while a request waits for its KV from disk: the files of that load stay
+    until it ended (the host tier keeps a pinned block's bytes the same way)."""
+    load = disk_load(side)
+    assert side.reset()
+    assert side.build_connector_meta(step({}, {})).disk_deletes == []
+    job = load.copy.job_id
+    side.update_connector_output(reported({job: [1, 0]}, {job: [0, 0]}))
+    a = request("a", 2 * BLOCK + 8)
+    assert sorted(side.build_connector_meta(step({}, {})).disk_deletes) == sorted(_keys(a, 2))
+    assert side.disk.dir.statistics().used == 0
+
+
+def test_a_reset_keeps_the_deletes_of_chunks_evicted_before_it(side_for: Any) -> None:
+    """An eviction's deletes go with the next step; a reset before it (vLLM calls it
+    between steps) still sends them."""
+    with side_for(disk_chunks=3) as side:
+        a = request("a", 3 * BLOCK + 8)
+        written(side, a, [1, 2, 3, 4])
+        b = request("b", 2 * BLOCK + 8, seed=4)
+        meta = store_request(side, b, [5, 6, 7])
+        # Its store ended: b's writes evict two of a's chunks to make room.
+        side.update_connector_output(reported({s.copy.job_id: [1, 0] for s in meta.stores}))
+        assert side.disk.dir.statistics().evictions == 2
+        assert side.reset()
+        deletes = side.build_connector_meta(step({}, {})).disk_deletes
+        assert sorted(deletes) == sorted(_keys(a, 3))  # the two evicted, and the one held
+
+
 def test_the_disk_tier_announces_its_blocks_complete_with_medium_disk(
     make_vllm_config: Any, kv_cache_config: Any, tmp_path: Any
 ) -> None:

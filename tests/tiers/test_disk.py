@@ -289,6 +289,22 @@ def test_a_read_error_is_a_counted_miss(make_store: Any) -> None:
     assert store.statistics().read_errors == 1 and key(1) not in store
 
 
+def test_a_write_whose_directory_fsync_failed_leaves_no_file(make_store: Any) -> None:
+    """fsync "always": the chunk is complete under its final name when the directory's
+    fsync fails, and the write is a failure; the file goes too (one the index does not
+    hold would be neither counted nor ever deleted)."""
+
+    class DirFsyncFails(FileOps):
+        def fsync_dir(self, path: str) -> None:
+            raise OSError(errno.EIO, "Input/output error")
+
+    store = make_store(fsync="always", ops=DirFsyncFails())
+    assert store.write(key(1), payload(1)) == Outcome.IO_ERROR
+    assert key(1) not in store and store.used_bytes == 0
+    assert list(store.namespace.rglob("*.kvc")) == []
+    assert list(store.namespace.rglob("*.tmp")) == []
+
+
 def test_bytes_to_use_bounds_the_store(make_store: Any) -> None:
     chunk = HEADER_SIZE + ALIGNMENT
     store = make_store(bytes_to_use=2 * chunk)

@@ -4,6 +4,8 @@ itself once the server is back (the breaker's clock is stepped, not slept on).""
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 import anyio
@@ -118,3 +120,36 @@ async def test_a_failed_probe_keeps_the_breaker_open(tmp_path: Path) -> None:
         assert breaker.state == "open" and breaker.statistics().opens == 2
     finally:
         await store.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_probe_its_caller_gave_up_on_counts_as_failed(tmp_path: Path) -> None:
+    """A caller that gives up (its own deadline, a task group cancelled) while its
+    operation probes the server: the breaker opens for another cool-down, then probes
+    again. Left half-open, it would reject every operation for good."""
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    assert server.proc is not None
+    clock = Clock()
+    breaker = CircuitBreaker(threshold=1, cooldown_s=5, clock=clock)
+    store = RedisStore(url=server.url, fingerprint=FP, op_timeout_s=30, breaker=breaker)
+    await store.connect()
+    try:
+        breaker.failed()  # an earlier outage opened it
+        clock.now += 5  # the cool-down is over: the next operation probes first
+        os.kill(server.proc.pid, signal.SIGSTOP)  # alive, answers nothing: the probe waits
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(store.read, [key(1)], [np.zeros(8, np.uint8)])
+                await anyio.wait_all_tasks_blocked()
+                assert breaker.state == "half_open"  # its probe is out
+                tg.cancel_scope.cancel()  # the caller gives up
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        assert breaker.state == "open" and breaker.statistics().opens == 2
+        clock.now += 5
+        assert list(await store.write([key(1)], [payload(1)])) == [Outcome.OK]
+        assert breaker.state == "closed"
+    finally:
+        await store.aclose()
+        server.kill()
