@@ -46,6 +46,9 @@ class Geometry:
     row_bytes: int
     """Bytes of one engine block of the largest group, on one worker."""
     num_slots: int
+    frees_decoded: bool = False
+    """Whether vLLM frees a group's decoded blocks while a request runs, outside any
+    sliding window (R-SWA): its decoded blocks are not stored (``store_decoded`` off)."""
 
 
 def group_window(spec: Any, chunk_tokens: int, group: int) -> int | None:
@@ -64,6 +67,16 @@ def group_window(spec: Any, chunk_tokens: int, group: int) -> int | None:
         f"KV-cache group {group} is {type(spec).__name__}: kvferry offloads full-attention "
         "and sliding-window groups only",
     )
+
+
+def _frees_decoded_blocks(spec: Any) -> bool:
+    """Whether vLLM frees a group's blocks mid-request other than a sliding window's: R-SWA
+    (``RSWASpec``, a full-attention spec to the rest of this module) frees the decoded
+    blocks between the prompt and its window (prompt blocks stay)."""
+    from vllm.v1 import kv_cache_interface
+
+    rswa = getattr(kv_cache_interface, "RSWASpec", None)
+    return rswa is not None and isinstance(spec, rswa)
 
 
 def plan_geometry(
@@ -104,6 +117,7 @@ def plan_geometry(
         windows=windows,
         row_bytes=row_bytes,
         num_slots=num_slots,
+        frees_decoded=any(_frees_decoded_blocks(g.kv_cache_spec) for g in groups),
     )
 
 

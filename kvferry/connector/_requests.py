@@ -70,6 +70,10 @@ class ReqState:
     """When this request's lookup first said "ask again" for a Redis existence check
     (``lookup_wait_ms`` runs from then); None once it went on."""
     load_job: int | None = None
+    load_failed: bool = False
+    """A load of this request failed: it loads nothing more (vLLM recomputes; a load that
+    fails every time would otherwise be planned again at every retry, and the request
+    never end)."""
     store_jobs: set[int] = attrs.field(factory=set)
     keys: list[bytes] = attrs.field(factory=list)
     """Offload keys of the request's chunks so far, all groups of a chunk together."""

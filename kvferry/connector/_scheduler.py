@@ -64,6 +64,7 @@ from ._disk_tier import DiskTier
 from ._geometry import plan_geometry, windowed_hit
 from ._metadata import DiskChunks, JobSpec, KVFerryMetadata, KVFerryWorkerMetadata
 from ._planner import (
+    NULL_BLOCK,
     failed_load_parts,
     load_parts,
     plan_load,
@@ -106,6 +107,14 @@ class SchedulerSide:
             cfg, kv_cache_config, vllm_config.cache_config.block_size, self.world_size
         )
         self._log = get_logger("kvferry.connector", role="scheduler")
+        self._store_decoded = cfg.store_decoded and not self.geometry.frees_decoded
+        """``store_decoded``, unless vLLM frees this model's decoded blocks mid-request."""
+        if cfg.store_decoded and self.geometry.frees_decoded:
+            self._log.warning(
+                "store_decoded_off",
+                reason="vLLM frees this model's decoded blocks between the prompt and its "
+                "window (R-SWA) while a store could still read them: prompt blocks only",
+            )
         self._reqs: dict[str, ReqState] = {}
         self._storing: dict[str, ReqState] = {}
         """The requests that may have chunks to store when next scheduled: all of them
@@ -121,6 +130,8 @@ class SchedulerSide:
         self._stale_jobs: set[int] = set()
         self._fences: dict[int, set[int]] = {}
         """Engine block id -> store jobs still reading it (sliding-window groups)."""
+        self._load_reused: set[int] = set()
+        """Fenced blocks vLLM allocated for loads in this schedule pass."""
         self._group_suffixes = [g.to_bytes(4, "big") for g in range(self.geometry.num_groups)]
         self._loading: Counter[bytes] = Counter()
         """Key -> loads in flight filling it."""
@@ -283,7 +294,8 @@ class SchedulerSide:
         st = self._reqs.get(request.request_id)
         if st is None:  # a request vLLM added before the connector saw it
             st = self._reqs[request.request_id] = self._new_req(request)
-        if not st.load:
+        if not st.load or st.load_failed:
+            st.lookup = st.counts = None
             return 0, False
         geo = self.geometry
         n_chunks = self._num_keyed_chunks(request)
@@ -292,7 +304,7 @@ class SchedulerSide:
             # vLLM recomputes the last prompt token of a sliding-window model.
             n_chunks = min(n_chunks, (request.num_tokens - 1) // ct)
         if n_chunks * ct <= num_computed_tokens:
-            st.lookup = None
+            st.lookup = st.counts = None  # an earlier pass's counts are not this one's
             return 0, False
         # Chunks the engine already holds need no lookup: the hit starts after them.
         first = num_computed_tokens // ct
@@ -489,6 +501,14 @@ class SchedulerSide:
                 self._unpin(lease)
             self._unpin_disk(disk_lease)
             return
+        if self._fences:
+            # The blocks vLLM allocated for this load: a sliding-window block it freed
+            # mid-request, which a store still reads, may be among them, and this
+            # request is in none of the step's scheduled lists (build_connector_meta).
+            fences = self._fences
+            self._load_reused.update(
+                b for ids in blocks.get_block_ids() for b in ids if b in fences
+            )
         if disk_lease is not None and (st.lookup is None or st.load_job is not None):
             self._unpin_disk(disk_lease)  # the load fails below: nothing reads the disk
             disk_lease = None
@@ -639,6 +659,7 @@ class SchedulerSide:
         fail``). The engine keeps running."""
         req_id = st.request.request_id
         st.lookup = None
+        st.load_failed = True
         if lease is not None:
             self._unpin(lease)
         if isinstance(error, InvariantError):
@@ -687,8 +708,21 @@ class SchedulerSide:
                 self._unpin_disk(disk_lease)
         self._expire_loads()
 
-        reused: set[int] = set()
         fences, reqs = self._fences, self._reqs
+        # Blocks vLLM handed to loads in this pass (update_state_after_alloc): those
+        # requests are in none of the step's scheduled lists.
+        reused, self._load_reused = self._load_reused, set()
+        flush: set[int] = set()
+        # A preempted request's blocks went back to vLLM (and may be handed out in this
+        # very step): its stores in flight are flushed, and its table starts again when
+        # it is scheduled again, whole (Model Runner V1 names it resumed; V2 sends it
+        # among the new requests).
+        for req_id in scheduler_output.preempted_req_ids or ():
+            st = reqs.get(req_id)
+            if st is not None:
+                flush.update(st.store_jobs)
+                st.block_ids = []
+                self._store_from(st, 0)  # stored chunks are skipped as present
         cached = scheduler_output.scheduled_cached_reqs
         resumed_ids = cached.resumed_req_ids
         # vLLM's order (yield_req_data's): new requests, then the cached ones; a cached
@@ -714,18 +748,13 @@ class SchedulerSide:
                 for g, ids in enumerate(new_block_ids):
                     st.block_ids[g].extend(ids)
 
-        flush: set[int] = set()
-        for req_id in scheduler_output.preempted_req_ids or ():
-            st = self._reqs.get(req_id)
-            if st is not None:
-                flush.update(st.store_jobs)
         # Sliding-window blocks vLLM freed mid-request and hands out again this step.
         for block in reused:
-            flush.update(self._fences[block])
+            flush.update(fences.get(block, ()))
         self._c["stores_fenced"] += len(flush)
 
         plans = []
-        storing, ct, decoded = self._storing, self.geometry.chunk_tokens, self.cfg.store_decoded
+        storing, ct, decoded = self._storing, self.geometry.chunk_tokens, self._store_decoded
         stored: list[str] = []
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             st = storing.get(req_id)
@@ -829,9 +858,26 @@ class SchedulerSide:
         self._report.dirty = True
         self._stale_jobs.update(j for j, job in self._jobs.items() if job.is_store)
         for st in self._reqs.values():
+            if self.geometry.hybrid:
+                self._drop_passed_sliding_blocks(st)
             self._store_from(st, 0)
         self._log.info("cache_reset", dropped=dropped, stores_in_flight=len(self._stale_jobs))
         return True
+
+    def _drop_passed_sliding_blocks(self, st: ReqState) -> None:
+        """Before a running request's chunks are offered for store again from its first
+        (a reset): the blocks its sliding-window groups held for the chunks it passed may
+        have left the window since, and vLLM frees those and hands them to other
+        requests (it nulls them in its own table; the connector sees only new ids). They
+        become null blocks here: those chunks are not stored again for these groups (a
+        hit on the prefix needs them again only once another request stored them)."""
+        geo = self.geometry
+        passed = st.stored_upto * geo.blocks_per_chunk
+        for g, window in enumerate(geo.windows):
+            if window is not None and g < len(st.block_ids):
+                ids = st.block_ids[g]
+                n = min(passed, len(ids))
+                ids[:n] = [NULL_BLOCK] * n
 
     def take_events(self) -> list[Any]:
         """This step's KV events (BlockStored / BlockRemoved / AllBlocksCleared, medium CPU)."""
@@ -890,7 +936,7 @@ class SchedulerSide:
         if not st.store:
             return None
         geo = self.geometry
-        if not self.cfg.store_decoded:
+        if not self._store_decoded:
             computed_tokens = min(computed_tokens, st.request.num_prompt_tokens)
         upto = storable_chunks(geo, computed_tokens, self._num_keyed_chunks(st.request), block_ids)
         if upto <= st.stored_upto:
@@ -986,6 +1032,9 @@ class SchedulerSide:
         for job in late:
             del self._jobs[job.job_id]
             self._expired[job.job_id] = job
+            st = self._reqs.get(job.req_id)
+            if st is not None:
+                st.load_failed = True
             self._pending_failed_loads.append(job.job_id)
             self._release_keys(job)
             valid = job.slots[job.slots >= 0]
@@ -1092,7 +1141,7 @@ class SchedulerSide:
                     )
                     self._book.retire(job.event_keys)
                 self._c["stores_failed" if job.failed else "stores_done"] += 1
-                if not job.failed:
+                if not job.failed and not stale:  # a reset discarded a stale one's tokens
                     self._c["tokens_stored"] += job.tokens
                 if st is not None:
                     st.store_jobs.discard(job_id)
@@ -1112,6 +1161,8 @@ class SchedulerSide:
                     self._c["tokens_loaded"] += job.tokens
                 if job.failed:
                     self._store_again(st, job)
+                    if st is not None:
+                        st.load_failed = True
                 if st is not None and st.load_job == job_id:
                     st.load_job = None
                     if not job.failed:

@@ -7,6 +7,7 @@ to another request is fenced. (tests/e2e/test_hybrid.py runs the same on real vL
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -139,6 +140,99 @@ def test_a_store_reading_a_reused_sliding_block_is_fenced(scheduler: Any) -> Non
     scheduler.on_new_request(d)
     meta = scheduler.build_connector_meta(step({"d": ([8, 9], [6, 40])}, {"a": 1, "d": 0}))
     assert meta.flush_job_ids == []
+
+
+def _prefill_stored(scheduler: Any) -> tuple[Any, Any]:
+    """Request a's prompt computed in one step, its store planned: sliding blocks 6-9."""
+    a = request("a", 4 * BLOCK + 8, seed=1)
+    scheduler.on_new_request(a)
+    assert scheduler.get_num_new_matched_tokens(a, 0) == (0, False)
+    meta = scheduler.build_connector_meta(
+        step({"a": ([1, 2, 3, 4, 5], [6, 7, 8, 9, 10])}, {"a": a.num_tokens})
+    )
+    [store] = meta.stores
+    return a, store
+
+
+def test_a_sliding_block_handed_to_a_load_fences_the_store_reading_it(scheduler: Any) -> None:
+    """A request whose hit loads asynchronously is in none of the step's scheduled lists:
+    the blocks vLLM allocated for its load (update_state_after_alloc) are checked against
+    the fences too."""
+    a, store = _prefill_stored(scheduler)
+    a.num_computed_tokens = a.num_tokens
+
+    # vLLM freed a's first sliding blocks; c has a hit and is given block 7 for its load.
+    c = request("c", 3 * BLOCK + 8, seed=3)
+    store_keys(scheduler, [key(c, ch, g) for ch in range(3) for g in (FULL, SLIDING)])
+    scheduler.on_new_request(c)
+    assert scheduler.get_num_new_matched_tokens(c, 0) == (3 * BLOCK, True)
+    scheduler.update_state_after_alloc(c, allocated([30, 31, 32], [0, 7, 33]), 3 * BLOCK)
+    meta = scheduler.build_connector_meta(step({}, {"a": 1}))
+    [load] = meta.loads
+    assert 7 in {b for p in load.copy.parts for b in p.device_blocks.tolist()}
+    assert meta.flush_job_ids == [store.copy.job_id]
+    # Once the step is built, that allocation is not counted again.
+    assert scheduler.build_connector_meta(step({}, {"a": 1})).flush_job_ids == []
+
+
+def test_a_reset_does_not_store_sliding_blocks_the_request_passed(scheduler: Any) -> None:
+    """After a reset, a running request's chunks are offered for store again from the
+    first; its sliding-window blocks of the chunks it passed may be another request's by
+    now (vLLM freed them out of the window): they are not read, the full-attention group's
+    blocks are stored again."""
+    a, store = _prefill_stored(scheduler)
+    scheduler.update_connector_output(acked(store.copy.job_id))
+    a.num_computed_tokens = a.num_tokens
+    # vLLM freed a's sliding blocks 6 and 7 (out of its window); c is given block 7.
+    c = request("c", 2 * BLOCK, seed=3)
+    scheduler.on_new_request(c)
+    scheduler.build_connector_meta(step({"c": ([30, 31], [7, 32])}, {"a": 1, "c": 0}))
+    a.num_computed_tokens += 1
+
+    assert scheduler.reset()
+    meta = scheduler.build_connector_meta(step({}, {"a": 1}))
+    parts = {
+        p.group: p.device_blocks.tolist()
+        for s in meta.stores
+        if s.req_id == "a"
+        for p in s.copy.parts
+    }
+    assert parts == {FULL: [1, 2, 3, 4]}
+
+
+@pytest.mark.parametrize("store_decoded", [True, False])
+def test_an_rswa_model_stores_its_prompt_blocks_only(
+    make_vllm_config: Any, caplog: pytest.LogCaptureFixture, store_decoded: bool
+) -> None:
+    """R-SWA (vLLM's RSWASpec, full attention to the planner) frees a running request's
+    decoded blocks between its prompt and its window: a store of decoded blocks could read
+    blocks handed to another request, so only prompt blocks are stored, and a
+    ``store_decoded: true`` that is not followed is logged."""
+    import torch
+    from vllm.v1.kv_cache_interface import RSWASpec
+
+    spec = RSWASpec(
+        block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, rswa_window=WINDOW
+    )
+    caplog.set_level(logging.WARNING, logger="kvferry.connector")
+    with scheduler_side(
+        make_vllm_config, kv_cache_config(spec), store_decoded=store_decoded
+    ) as side:
+        a = request("a", 2 * BLOCK + 8)  # a prompt of 2 full blocks and 8 tokens
+        side.on_new_request(a)
+        assert side.get_num_new_matched_tokens(a, 0) == (0, False)
+        new = step({"a": ([1, 2, 3], [4, 5, 6])}, {"a": a.num_tokens})
+        [store] = side.build_connector_meta(new).stores
+        assert {p.group: p.device_blocks.tolist() for p in store.copy.parts} == {
+            FULL: [1, 2],
+            SLIDING: [4, 5],
+        }
+        # Decoding filled the third block: it has a hash, and its last token runs now.
+        a.num_computed_tokens, a.num_tokens = 3 * BLOCK - 1, 3 * BLOCK
+        a.block_hashes.append(b"decoded-block-hash".ljust(32, b"."))
+        assert side.build_connector_meta(step({}, {"a": 1})).stores == []
+    warned = [r for r in caplog.records if getattr(r, "kvferry_event", None) == "store_decoded_off"]
+    assert len(warned) == (1 if store_decoded else 0)
 
 
 def test_a_group_kvferry_cannot_offload_is_named(make_vllm_config: Any) -> None:

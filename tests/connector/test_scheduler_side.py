@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -96,3 +97,91 @@ def _offered_again(scheduler: Any) -> None:
     assert scheduler.build_connector_meta(resume).stores == []  # both held: skipped as present
     assert scheduler.statistics().directory.stores_skipped_present == skipped + 2
     assert scheduler.build_connector_meta(decode).stores == []
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_a_request_resumed_after_preemption_stores_from_its_new_blocks(
+    scheduler: Any, runner: str
+) -> None:
+    """vLLM frees a preempted request's blocks and gives it a whole new table when it is
+    scheduled again: Model Runner V1 names it among the resumed cached requests, V2 (vLLM
+    0.32's default where Triton is) sends it among the new requests. Either way its later
+    chunks are stored from the new blocks, never from the old ones (other requests' now)."""
+    a = request("a", 4 * BLOCK + 8)  # a prompt of 4 full blocks and 8 tokens
+    scheduler.on_new_request(a)
+    assert scheduler.get_num_new_matched_tokens(a, 0) == (0, False)
+    # A chunked prefill: the first 2 blocks this step.
+    meta = scheduler.build_connector_meta(step({"a": ([1, 2, 3, 4, 5],)}, {"a": 2 * BLOCK}))
+    [store] = meta.stores
+    assert store.copy.parts[0].device_blocks.tolist() == [1, 2]
+    scheduler.update_connector_output(acked(store.copy.job_id))
+    a.num_computed_tokens = 2 * BLOCK
+
+    assert scheduler.build_connector_meta(step({}, {}, preempted=("a",))).stores == []
+    # Scheduled again: its first 2 blocks are in vLLM's own prefix cache still.
+    a.num_computed_tokens = 0
+    assert scheduler.get_num_new_matched_tokens(a, 2 * BLOCK) == (0, False)
+    a.num_computed_tokens = 2 * BLOCK
+    table = ([1, 2, 9, 10, 11],)
+    if runner == "v2":
+        again = step({"a": table}, {"a": 2 * BLOCK + 8})
+    else:
+        again = step({}, {"a": 2 * BLOCK + 8}, cached={"a": table}, resumed=("a",))
+    meta = scheduler.build_connector_meta(again)
+    stored = [b for s in meta.stores for b in s.copy.parts[0].device_blocks.tolist()]
+    assert stored == [9, 10]  # chunks 0 and 1 are held: skipped as present
+
+
+def test_a_lookup_that_asks_nothing_counts_nothing(scheduler: Any) -> None:
+    """A lookup's counts are taken when vLLM admits the request. When vLLM could not
+    allocate a hit and asks again once its own prefix cache holds the whole prompt (another
+    request computed it), that lookup asks kvferry nothing, and nothing is counted."""
+    a = request("a", 4 * BLOCK + 8)
+    store_keys(scheduler, [key(a, c) for c in range(4)])
+    scheduler.on_new_request(a)
+    assert scheduler.get_num_new_matched_tokens(a, 0) == (4 * BLOCK, True)
+    scheduler.build_connector_meta(step({}, {}))  # vLLM could not allocate it this pass
+    assert scheduler.get_num_new_matched_tokens(a, 4 * BLOCK) == (0, False)
+    scheduler.update_state_after_alloc(a, allocated([1, 2, 3, 4, 5]), 0)
+    stats = scheduler.statistics()
+    assert (stats.tokens_looked_up, stats.tokens_hit, stats.tokens_missed) == (0, 0, 0)
+
+
+def test_a_request_whose_load_failed_loads_nothing_more(scheduler: Any) -> None:
+    """vLLM recomputes a failed load's blocks; a request with no valid prefix left is
+    scheduled again from nothing and asks again. Its hit is not loaded again (a load that
+    fails every time would never let it end): it recomputes. Other requests still hit."""
+    from kvferry.connector._metadata import KVFerryWorkerMetadata
+
+    a, b = request("a", 4 * BLOCK + 8), request("b", 4 * BLOCK + 8)  # the same prompt
+    store_keys(scheduler, [key(a, c) for c in range(4)])
+    scheduler.on_new_request(a)
+    assert scheduler.get_num_new_matched_tokens(a, 0) == (4 * BLOCK, True)
+    scheduler.update_state_after_alloc(a, allocated([1, 2, 3, 4]), 4 * BLOCK)
+    [load] = scheduler.build_connector_meta(step({}, {})).loads
+    failed = KVFerryWorkerMetadata(acks={load.copy.job_id: [1, 1]}, stats={})
+    scheduler.update_connector_output(
+        SimpleNamespace(
+            kv_connector_worker_meta=failed, finished_sending=None, finished_recving={"a"}
+        )
+    )
+    assert scheduler.statistics().loads_failed == 1
+    assert scheduler.get_num_new_matched_tokens(a, 0) == (0, False)
+    scheduler.on_new_request(b)
+    assert scheduler.get_num_new_matched_tokens(b, 0) == (4 * BLOCK, True)
+
+
+def test_a_store_in_flight_at_a_reset_never_becomes_a_hit_nor_counts_as_stored(
+    scheduler: Any,
+) -> None:
+    a = request("a", 2 * BLOCK + 8)
+    scheduler.on_new_request(a)
+    assert scheduler.get_num_new_matched_tokens(a, 0) == (0, False)
+    [store] = scheduler.build_connector_meta(step({"a": ([1, 2, 3],)}, {"a": a.num_tokens})).stores
+    assert scheduler.reset()
+    scheduler.update_connector_output(acked(store.copy.job_id))
+    b = request("b", 2 * BLOCK + 8)  # the same prompt
+    scheduler.on_new_request(b)
+    assert scheduler.get_num_new_matched_tokens(b, 0) == (0, False)
+    stats = scheduler.statistics()
+    assert (stats.stores_done, stats.tokens_stored) == (1, 0)

@@ -65,3 +65,18 @@ def test_negative_control_garbled_loads_change_outputs(
     assert sum(corrupt["loaded"][1].values()) > 0
     assert corrupt["tokens"][0] == reference["tokens"][0]  # pass 1 loads nothing
     assert corrupt["tokens"][1] != reference["tokens"][1]
+
+
+def test_loads_that_always_fail_end_in_recomputation(
+    tiny_model: Path, reference: dict[str, Any]
+) -> None:
+    """Every load fails: a request whose load failed is recomputed, not loaded again
+    (vLLM schedules a request left with no valid prefix again from nothing, and a hit
+    planned again at every retry would never let it end)."""
+    faulty = run(
+        tiny_model, {"cpu_bytes_to_use": 64 << 20, "copy_engine": "kvferry.testing:fail_every_load"}
+    )
+    assert faulty["tokens"] == reference["tokens"]
+    m = faulty["metrics"]
+    assert m["vllm:kvferry_loads_failed"] > 0
+    assert m["vllm:kvferry_tokens_loaded"] == 0
