@@ -817,7 +817,6 @@ class SchedulerSide:
         st.finished = True
         self._storing.pop(request.request_id, None)
         self._release_lease(request.request_id)
-        self.trace.request_finished(request.request_id)
         info: dict[str, Any] = {"tokens_loaded": st.tokens_loaded}
         if st.error is not None:
             info["error"] = st.error
@@ -830,11 +829,14 @@ class SchedulerSide:
                 self.disk.dir.touch(st.keys)
         if st.load_job is not None:
             # Aborted while its load runs: vLLM frees the blocks at finished_recving.
+            self.trace.request_finished(request.request_id)
             return True, params
         # The last full blocks, computed in the final step.
         plan = self._plan_store(st, request.num_computed_tokens, block_ids)
         if plan is not None:
             self._prepare_stores([plan])
+        # After that store's job is in the journey: it ends with the last job.
+        self.trace.request_finished(request.request_id)
         if st.store_jobs:
             self._pending_releases.append(request.request_id)
             return True, params

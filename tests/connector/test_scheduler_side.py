@@ -185,3 +185,38 @@ def test_a_store_in_flight_at_a_reset_never_becomes_a_hit_nor_counts_as_stored(
     assert scheduler.get_num_new_matched_tokens(b, 0) == (0, False)
     stats = scheduler.statistics()
     assert (stats.stores_done, stats.tokens_stored) == (1, 0)
+
+
+def test_a_store_planned_when_a_request_finishes_ends_in_its_one_journey(
+    make_vllm_config: Any, kv_cache_config: Any
+) -> None:
+    """A request aborted with chunks still to store (here: offered again after a reset)
+    gets its last store in request_finished: that job is in the request's journey, which
+    ends with it — no second journey, no span left open."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from kvferry.traces import SchedulerTracer
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(shutdown_on_exit=False)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    with scheduler_side(make_vllm_config, kv_cache_config) as side:
+        side.trace = SchedulerTracer(provider)
+        a = request("a", 2 * BLOCK + 8)
+        side.on_new_request(a)
+        assert side.get_num_new_matched_tokens(a, 0) == (0, False)
+        meta = side.build_connector_meta(step({"a": ([1, 2, 3],)}, {"a": a.num_tokens}))
+        a.num_computed_tokens = a.num_tokens
+        side.update_connector_output(acked(*[s.copy.job_id for s in meta.stores]))
+        assert side.reset()
+        assert side.request_finished(a, ([1, 2, 3],))[0] is True  # a store planned at finish
+        meta = side.build_connector_meta(step({}, {}))
+        side.update_connector_output(acked(*[s.copy.job_id for s in meta.stores]))
+        assert side.trace.open_spans() == 0
+    spans = exporter.get_finished_spans()
+    [journey] = [s for s in spans if s.name == "kvferry"]
+    stores = [s for s in spans if s.name == "store kv_blocks"]
+    assert len(stores) == 2
+    assert {s.context.trace_id for s in stores} == {journey.context.trace_id}
