@@ -54,7 +54,7 @@ from .._errors import InvariantError
 from .._logging import get_logger
 from . import _kernels
 from ._admission import DEFAULT_WATERMARKS, AdmissionFilter, check_store_threshold, check_watermarks
-from ._events import MEDIUM, AllBlocksCleared, BlocksRemoved, BlocksStored, KVEvent
+from ._events import MEDIUM, BlocksRemoved, BlocksStored, KVEvent
 from ._index import DictIndex, KeyIndex
 from ._policy import EvictionPolicy, make_policy
 from ._slots import DEMOTING, FREE, READY, READY_DROPPED, STORING, STORING_DROPPED
@@ -992,13 +992,12 @@ class Directory:
         self._last_rec = None
         self.policy.clear()
         self.resets += 1
-        if self._events is not None:
-            # A clear makes the batch's earlier events moot. vLLM's AllBlocksCleared names
-            # no medium, so each block the tier held is also removed by name (medium CPU):
-            # a router tracking media sees exactly what left.
-            self._events[:] = [AllBlocksCleared(medium=self.medium)]
-            if visible:
-                self._events.append(BlocksRemoved(keys=visible, medium=self.medium))
+        if self._events is not None and visible:
+            # Each block the tier held is removed by name, after the batch's earlier events
+            # (its evictions included): no AllBlocksCleared, which in vLLM's events names no
+            # medium, and would tell a router that the engine's own blocks, and a shared
+            # tier's that a reset keeps (Redis), are gone too.
+            self._events.append(BlocksRemoved(keys=visible, medium=self.medium))
         return dropped
 
     # -- events and statistics ----------------------------------------------------------

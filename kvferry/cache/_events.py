@@ -3,11 +3,12 @@ to vLLM's ``vllm.distributed.kv_events`` types.
 
 The directory records a fact for every change a consumer (a KV-aware router) can see:
 :class:`BlocksStored` when stores complete (a block becomes a lookup hit),
-:class:`BlocksRemoved` when visible blocks leave (eviction, clear), and
-:class:`AllBlocksCleared` when the tier is reset, followed by the :class:`BlocksRemoved`
-of every block it held (vLLM's AllBlocksCleared names no medium). Replaying the records
-in order over an empty set gives exactly the set of keys that are lookup hits — the tests
-hold that.
+:class:`BlocksRemoved` when visible blocks leave (eviction, clear, and a reset: every
+block it held, by name). :class:`AllBlocksCleared` only stands for records an
+:class:`EventBuffer` had to drop (vLLM's AllBlocksCleared names no medium: a router
+forgets every medium's blocks of the engine, an under-count, never an over-count); a
+tier's reset keeps to its own medium. Replaying the records in order over an empty set
+gives exactly the set of keys that are lookup hits — the tests hold that.
 
 The records carry keys only. What a complete ``BlockStored`` needs besides (the parent
 hash, the tokens, the block size, LoRA) comes at conversion from a ``describe`` callable
@@ -53,7 +54,8 @@ class BlocksRemoved:
 
 @attrs.frozen(kw_only=True)
 class AllBlocksCleared:
-    """Every key of the tier stopped being a lookup hit (a reset)."""
+    """Forget every key announced so far: the records of a batch that overflowed its
+    :class:`EventBuffer` were dropped (a consumer under-counts until the keys come again)."""
 
     medium: str = MEDIUM
 

@@ -156,7 +156,8 @@ class ClearAll:
 class ResetCache:
     """Forget every key (``reset_prefix_cache``); answers how many ready blocks were dropped.
 
-    Emits one AllBlocksCleared. Blocks in flight are freed when their jobs end.
+    Emits the BlocksRemoved of every ready key. Blocks in flight are freed when their
+    jobs end.
     """
 
     reply: Reply[int] = attrs.field(eq=False, repr=False)

@@ -223,11 +223,7 @@ class DiskTier:
         Their files are deleted with the next step, but those a read still reads (each
         once its last pin is released: :meth:`unpin`) and those of writes in flight
         (once they ended: :meth:`writes_ended`)."""
-        # The reset drops the events not yet taken (moot for KV events): not the deletes
-        # of the removals among them.
-        for ev in self.dir.take_events():
-            if isinstance(ev, BlocksRemoved):
-                self._deletes.extend(ev.keys)
+        self._drain()  # the events before it (their removals' files are deleted)
         slots, keys, pins = self.dir.pinned()
         self._writes_dropped |= self._writes_out
         dropped = self.dir.reset()

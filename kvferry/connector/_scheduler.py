@@ -882,7 +882,7 @@ class SchedulerSide:
                 ids[:n] = [NULL_BLOCK] * n
 
     def take_events(self) -> list[Any]:
-        """This step's KV events (BlockStored / BlockRemoved / AllBlocksCleared, medium CPU)."""
+        """This step's KV events (BlockStored / BlockRemoved; medium CPU, DISK, REDIS)."""
         if not self.events_enabled:
             return []
         events = self._ask(lambda r: TakeEvents(reply=r))

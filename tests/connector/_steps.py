@@ -86,3 +86,25 @@ def acked(*job_ids: int) -> Any:
         finished_sending=None,
         finished_recving=None,
     )
+
+
+def router_replay(router: dict[str, set[Any]], events: list[Any]) -> None:
+    """What a KV-aware router does with vLLM's KV events: the block hashes it believes
+    held, per medium (vLLM's AllBlocksCleared names no medium: every medium is emptied)."""
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+    for ev in events:
+        if isinstance(ev, BlockStored):
+            router.setdefault(str(ev.medium), set()).update(ev.block_hashes)
+        elif isinstance(ev, BlockRemoved):
+            router.setdefault(str(ev.medium), set()).difference_update(ev.block_hashes)
+        elif isinstance(ev, AllBlocksCleared):
+            for held in router.values():
+                held.clear()
+
+
+def vllm_hashes(keys: list[bytes]) -> set[Any]:
+    """The hashes vLLM's events carry for offload keys (block hash + 4-byte group)."""
+    from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
+
+    return {maybe_convert_block_hash(BlockHash(k[:-4])) for k in keys}

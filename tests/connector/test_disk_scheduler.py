@@ -6,6 +6,7 @@ read into a reserved host slot, failures, eviction into deletes, the start-time 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -17,7 +18,16 @@ from kvferry.connector._metadata import KVFerryWorkerMetadata
 from kvferry.tiers import DiskStore
 from kvferry.tiers._format import file_size
 
-from ._steps import BLOCK, allocated, key, request, scheduler_side, step
+from ._steps import (
+    BLOCK,
+    allocated,
+    key,
+    request,
+    router_replay,
+    scheduler_side,
+    step,
+    vllm_hashes,
+)
 
 SLOT_BYTES = 2 * 2 * BLOCK * 2 * 64 * 2  # 2 layers x (K, V) x 128 tokens x 2 heads x 64 x bf16
 
@@ -435,13 +445,10 @@ def test_a_reset_keeps_the_deletes_of_chunks_evicted_before_it(side_for: Any) ->
         assert sorted(deletes) == sorted(_keys(a, 3))  # the two evicted, and the one held
 
 
-def test_the_disk_tier_announces_its_blocks_complete_with_medium_disk(
-    make_vllm_config: Any, kv_cache_config: Any, tmp_path: Any
-) -> None:
-    """A block written down is a BlockStored of medium DISK with its tokens and parent,
-    as the host tier's (routers rebuild their keys from these fields)."""
+@contextmanager
+def side_with_events(make_vllm_config: Any, kv_cache_config: Any, tmp_path: Any) -> Iterator[Any]:
+    """A scheduler half with a disk tier of 8 chunks and vLLM's KV events on."""
     from vllm.config import KVEventsConfig
-    from vllm.distributed.kv_events import BlockStored
 
     from kvferry import FerryConfig
     from kvferry.connector._scheduler import SchedulerSide
@@ -454,6 +461,19 @@ def test_the_disk_tier_announces_its_blocks_complete_with_medium_disk(
     config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
     side = SchedulerSide(config, kv_cache_config, FerryConfig.from_dict(extra))
     try:
+        yield side
+    finally:
+        side.shutdown()
+
+
+def test_the_disk_tier_announces_its_blocks_complete_with_medium_disk(
+    make_vllm_config: Any, kv_cache_config: Any, tmp_path: Any
+) -> None:
+    """A block written down is a BlockStored of medium DISK with its tokens and parent,
+    as the host tier's (routers rebuild their keys from these fields)."""
+    from vllm.distributed.kv_events import BlockStored
+
+    with side_with_events(make_vllm_config, kv_cache_config, tmp_path) as side:
         a = request("a", 2 * BLOCK + 8)
         a.all_token_ids = list(range(1000, 1000 + 2 * BLOCK + 8))
         a.lora_request = None
@@ -467,5 +487,31 @@ def test_the_disk_tier_announces_its_blocks_complete_with_medium_disk(
         assert disk.token_ids == list(range(1000, 1000 + 2 * BLOCK))
         assert disk.parent_block_hash is None and disk.block_size == BLOCK
         assert side._book.statistics().entries == 0  # nothing kept once announced
-    finally:
-        side.shutdown()
+
+
+def test_after_a_reset_a_router_replaying_the_events_holds_the_host_blocks_stored_again(
+    make_vllm_config: Any, kv_cache_config: Any, tmp_path: Any
+) -> None:
+    """A reset removes each tier's blocks by name, in its own medium: the host blocks a
+    running request stores again in the next step, before vLLM takes the step's events,
+    stay held in a router's view whatever order the tiers' events come in."""
+    with side_with_events(make_vllm_config, kv_cache_config, tmp_path) as side:
+        router: dict[str, set[Any]] = {}
+        a = request("a", 2 * BLOCK + 8)
+        a.all_token_ids, a.lora_request = list(range(2 * BLOCK + 8)), None
+        meta = store_request(side, a, [1, 2, 3])
+        a.num_computed_tokens = a.num_tokens
+        side.update_connector_output(reported({s.copy.job_id: [1, 0] for s in meta.stores}))
+        router_replay(router, side.take_events())
+        [write] = side.build_connector_meta(step({}, {"a": 1})).disk_writes
+        side.update_connector_output(reported({write.job_id: [1, 0]}, {write.job_id: [0, 0]}))
+        router_replay(router, side.take_events())
+        held = vllm_hashes([key(a, c) for c in range(2)])
+        assert router["CPU"] == router["DISK"] == held
+
+        assert side.reset()
+        meta = side.build_connector_meta(step({}, {"a": 1}))
+        side.update_connector_output(reported({s.copy.job_id: [1, 0] for s in meta.stores}))
+        router_replay(router, side.take_events())
+        assert side.get_num_new_matched_tokens(request("b", 2 * BLOCK + 8), 0) == (2 * BLOCK, True)
+        assert router["CPU"] == held and router["DISK"] == set()

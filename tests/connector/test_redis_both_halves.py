@@ -21,7 +21,7 @@ from kvferry import ConfigError, FerryConfig
 
 from ..tiers.redis_servers import RedisServer, free_port, redis_available
 from ._halves import LAYERS, SLOT_BYTES, Halves
-from ._steps import BLOCK, allocated, key, request
+from ._steps import BLOCK, allocated, key, request, router_replay, vllm_hashes
 
 pytestmark = pytest.mark.skipif(not redis_available(), reason="needs redis-server (make test)")
 
@@ -586,6 +586,30 @@ def test_chunks_written_to_redis_are_announced_with_medium_redis(
         assert redis.block_hashes == by_medium["CPU"].block_hashes
         assert redis.token_ids == list(range(1000, 1000 + 2 * BLOCK))
         assert redis.parent_block_hash is None and redis.block_size == BLOCK
+    finally:
+        e.close()
+
+
+def test_a_reset_keeps_the_redis_blocks_in_a_routers_view(
+    make_vllm_config: Any, kv_cache_config: Any, redis_server: RedisServer
+) -> None:
+    """A reset empties host memory, not Redis (the chunks are shared with other engines):
+    its events remove the host blocks by name, and a router replaying them still holds the
+    Redis blocks, which are still hits."""
+    redis_server.cli("flushall")
+    e = Engine(_with_events(make_vllm_config), kv_cache_config, 0, url=redis_server.url)
+    router: dict[str, set[Any]] = {}
+    try:
+        req = _tokens_request("r1")
+        held = vllm_hashes(store(e, req, [1, 2, 3]))
+        router_replay(router, e.sched.take_events())
+        assert router["CPU"] == router["REDIS"] == held
+        assert e.sched.reset()
+        router_replay(router, e.sched.take_events())
+        assert router["CPU"] == set() and router["REDIS"] == held
+        again = _tokens_request("r2")
+        e.sched.on_new_request(again)
+        assert e.lookup(again) == (2 * BLOCK, True)
     finally:
         e.close()
 

@@ -243,10 +243,10 @@ def with_kvferry(
         try:
             sub.wait_for_publisher()
             out = workload(llm, with_resets=True)
-            # Every reset of vLLM's cache gives one AllBlocksCleared, kvferry's reset one
-            # more (the last: a batch holds the block pool's events, then the connector's);
-            # then kvferry stores the reset document again.
-            expected_clears = out["engine_resets"] + 1
+            # Every reset of vLLM's cache gives one AllBlocksCleared; kvferry's reset
+            # removes its blocks by name (medium CPU) in the batch of the last; then
+            # kvferry stores the reset document again.
+            expected_clears = out["engine_resets"]
 
             def done(events: list[Any]) -> bool:
                 clears = [i for i, e in enumerate(events) if isinstance(e, AllBlocksCleared)]
@@ -355,7 +355,14 @@ def test_kvferry_stores_blocks_vllm_computed_and_removes_only_stored_ones(
     from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
     events = [e for _, batch in with_kvferry["batches"] for e in batch.events]
-    kvferry_clear = [i for i, e in enumerate(events) if isinstance(e, AllBlocksCleared)][-1]
+    # kvferry's reset: the first removal of medium CPU after the block pool's last clear
+    # (the call with reset_connector=True queues the block pool's events, then kvferry's).
+    engine_clear = [i for i, e in enumerate(events) if isinstance(e, AllBlocksCleared)][-1]
+    kvferry_reset = next(
+        i
+        for i, e in enumerate(events)
+        if i > engine_clear and isinstance(e, BlockRemoved) and e.medium == "CPU"
+    )
     engine_blocks: set[Any] = set()  # every hash vLLM cached so far
     host: set[Any] = set()  # replay of kvferry's events: its lookup hits
     removed = 0
@@ -367,17 +374,16 @@ def test_kvferry_stores_blocks_vllm_computed_and_removes_only_stored_ones(
             # Offloaded blocks are vLLM's blocks, under vLLM's hashes.
             assert set(e.block_hashes) <= engine_blocks, (i, e)
             host.update(e.block_hashes)
-        elif isinstance(e, BlockRemoved) and e.medium == "CPU" and i == kvferry_clear + 1:
-            # vLLM's AllBlocksCleared names no medium: kvferry's reset also removes every
-            # block it held by name, medium CPU.
+        elif isinstance(e, BlockRemoved) and e.medium == "CPU" and i == kvferry_reset:
+            # vLLM's AllBlocksCleared names no medium: kvferry's reset removes every block
+            # it held by name, medium CPU, and nothing else.
+            held_at_reset = set(host)
             assert set(e.block_hashes) == held_at_reset, (i, e)
+            host.clear()
         elif isinstance(e, BlockRemoved) and e.medium == "CPU":
             assert set(e.block_hashes) <= host, (i, e)
             host.difference_update(e.block_hashes)
             removed += len(e.block_hashes)
-        elif i == kvferry_clear:
-            held_at_reset = set(host)
-            host.clear()
         assert len(host) <= HOST_SLOTS, i
     assert removed > 0 and held_at_reset
     # After kvferry's reset it holds the reset document again, and nothing else.
@@ -385,16 +391,17 @@ def test_kvferry_stores_blocks_vllm_computed_and_removes_only_stored_ones(
 
 
 def test_only_the_connector_reset_empties_the_host_tier(with_kvferry: dict[str, Any]) -> None:
-    from vllm.distributed.kv_events import AllBlocksCleared
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved
 
-    # vLLM's AllBlocksCleared carries no medium; kvferry's is the one beyond the
-    # block pool's, in the batch right after reset_prefix_cache(reset_connector=True).
-    per_batch = [
-        sum(isinstance(e, AllBlocksCleared) for e in b.events) for _, b in with_kvferry["batches"]
-    ]
-    assert sum(per_batch) == with_kvferry["engine_resets"] + 1
-    # The call with reset_connector=True queues the block pool's and kvferry's together.
-    assert [n for n in per_batch if n][-1] >= 2, per_batch
+    # vLLM's AllBlocksCleared carries no medium: only the block pool sends one; kvferry's
+    # reset removes its blocks by name (medium CPU), in the batch of
+    # reset_prefix_cache(reset_connector=True), after the block pool's clear.
+    batches = [b for _, b in with_kvferry["batches"]]
+    per_batch = [sum(isinstance(e, AllBlocksCleared) for e in b.events) for b in batches]
+    assert sum(per_batch) == with_kvferry["engine_resets"]
+    last = [b for b, n in zip(batches, per_batch, strict=True) if n][-1].events
+    clear = max(i for i, e in enumerate(last) if isinstance(e, AllBlocksCleared))
+    assert any(isinstance(e, BlockRemoved) and e.medium == "CPU" for e in last[clear:]), last
     # After vLLM's reset alone the document still loads from kvferry; after the full one not.
     assert with_kvferry["loaded"]["after_engine_reset"][0] > 0
     assert with_kvferry["loaded"]["after_full_reset"] == [0]
