@@ -152,18 +152,20 @@ def test_the_compact_length_is_learnt_from_the_first_long_enough_key(compiled: b
     assert index.find_array([key(1)]).tolist() == [1]
 
 
-def test_a_directory_whose_first_key_is_short_finds_the_keys_stored_with_it() -> None:
+@both
+def test_a_directory_whose_first_key_is_short_finds_the_keys_stored_with_it(
+    compiled: bool,
+) -> None:
     """Found, the key is a hit, is not stored a second time, and the events replay to
     what a lookup hits."""
-    for compiled in (False, True):
-        d = Directory(4, index="compact", compiled=compiled, watermarks=(1.0, 1.0), events=True)
-        a, b, c = key(1), key(2), key(3)
-        d.complete_store(d.prepare_store([b"k", a]), True)  # slots 0, 1
-        d.complete_store(d.prepare_store([b]), True)
-        assert d.lookup([a]) == 1, compiled
-        assert d.prepare_store([a]).tolist() == [-1], compiled  # present: not stored again
-        d.complete_store(d.prepare_store([c]), True)
-        assert replay(d.take_events()) == d.visible_keys(), compiled
+    d = Directory(4, index="compact", compiled=compiled, watermarks=(1.0, 1.0), events=True)
+    a, b, c = key(1), key(2), key(3)
+    d.complete_store(d.prepare_store([b"k", a]), True)  # slots 0, 1
+    d.complete_store(d.prepare_store([b]), True)
+    assert d.lookup([a]) == 1
+    assert d.prepare_store([a]).tolist() == [-1]  # present: not stored again
+    d.complete_store(d.prepare_store([c]), True)
+    assert replay(d.take_events()) == d.visible_keys()
 
 
 @both
