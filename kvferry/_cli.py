@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import argparse
 import ast
+import http.client
 import importlib.util
 import json
+import math
 import sys
 import time
 import urllib.error
@@ -59,9 +61,11 @@ def read_json_argument(text: str) -> Any:
     if text.startswith("@"):
         source = text[1:]
         try:
-            text = Path(source).read_text()
+            text = Path(source).read_text(encoding="utf-8")
         except OSError as exc:
             raise CliError(f"cannot read {source}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError as exc:
+            raise CliError(f"{source} is not UTF-8 text: {exc}") from None
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
@@ -100,7 +104,9 @@ def check_extra_config(extra: Any, *, engine_block_size: int | None = None) -> l
 
     Each key is validated on its own by :meth:`FerryConfig.from_dict` (beside a valid
     ``cpu_bytes_to_use`` when it is not that key), so that this check says exactly what
-    engine start would, for all keys at once rather than the first one.
+    engine start would, for all keys at once rather than the first one. When every key
+    is good alone, the whole config is validated once more, for the checks that involve
+    several keys (a redis tier needs a runtime other than "stepped").
     """
     from ._config import FerryConfig
 
@@ -122,7 +128,12 @@ def check_extra_config(extra: Any, *, engine_block_size: int | None = None) -> l
             if key == "block_size" and engine_block_size is not None:
                 cfg.blocks_per_chunk(engine_block_size)
         except ConfigError as exc:
-            findings.append(Finding(exc.key, str(exc).split(": ", 1)[1]))
+            findings.append(Finding(exc.key, exc.detail))
+    if not findings:
+        try:
+            FerryConfig.from_dict(extra)
+        except ConfigError as exc:
+            findings.append(Finding(exc.key, exc.detail))
     return findings
 
 
@@ -215,7 +226,9 @@ def scrape(url: str, timeout_s: float = 10.0) -> str:
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as resp:
             body: bytes = resp.read()
-    except (urllib.error.URLError, OSError) as exc:
+    # ValueError: a URL that does not parse ("http://[::1"); HTTPException: one whose
+    # port is not a number (InvalidURL), or a server that does not answer in HTTP.
+    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as exc:
         reason = getattr(exc, "reason", exc)
         raise CliError(f"cannot read {url}: {reason}") from None
     return body.decode("utf-8", errors="replace")
@@ -226,7 +239,8 @@ Series = dict[tuple[str, str], dict[str, float]]
 
 
 def kvferry_series(text: str) -> Series:
-    """kvferry's samples in a Prometheus text page, per (model, engine)."""
+    """kvferry's samples in a Prometheus text page, per (model, engine); ``ValueError``
+    if ``text`` is not one."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out: Series = {}
@@ -237,6 +251,16 @@ def kvferry_series(text: str) -> Series:
                 values = out.setdefault(who, {})
                 values[s.name] = values.get(s.name, 0.0) + s.value
     return out
+
+
+def read_series(url: str) -> Series:
+    """kvferry's samples at ``url``; a :class:`CliError` if it cannot be read or is not
+    a Prometheus text page (a URL of another server, or of its HTML page)."""
+    text = scrape(url)
+    try:
+        return kvferry_series(text)
+    except ValueError as exc:
+        raise CliError(f"{url} is not a Prometheus metrics page: {exc}") from None
 
 
 def _ratio(a: float, b: float) -> float | None:
@@ -363,14 +387,14 @@ def cmd_top(args: argparse.Namespace, out: TextIO) -> int:
     before: Series | None = None
     before_t = 0.0
     if args.once:
-        fs = frames(kvferry_series(scrape(url)), None, 0.0)
+        fs = frames(read_series(url), None, 0.0)
         console.print(render(url, fs))
         return EXIT_OK if fs else EXIT_BAD
     count = 0
     with Live(console=console, auto_refresh=False, transient=False) as live:
         while True:
             t = time.monotonic()
-            now = kvferry_series(scrape(url))
+            now = read_series(url)
             live.update(render(url, frames(now, before, t - before_t)), refresh=True)
             before, before_t = now, t
             count += 1
@@ -384,18 +408,23 @@ def cmd_top(args: argparse.Namespace, out: TextIO) -> int:
 
 def cmd_traces(args: argparse.Namespace, out: TextIO) -> int:
     from .traces._jaeger import check_document, merge_documents
-    from .traces._summary import load_documents, summarize
+    from .traces._summary import load_documents, load_trace_files, summarize
 
+    # summarize and merge take only what check_document passes; check reports the rest.
+    load = load_documents if args.traces_command == "check" else load_trace_files
     try:
-        docs = load_documents(args.files)
+        docs = load(args.files)
     except (OSError, ValueError) as exc:
         raise CliError(str(exc)) from None
     if args.traces_command == "summarize":
         out.write(summarize(docs, max_traces=args.traces, request_id=args.request))
         return EXIT_OK
     if args.traces_command == "merge":
-        with open(args.output, "w") as f:
-            json.dump(merge_documents(docs), f)
+        try:
+            with open(args.output, "w") as f:
+                json.dump(merge_documents(docs), f)
+        except OSError as exc:
+            raise CliError(f"cannot write {args.output}: {exc.strerror or exc}") from None
         return EXIT_OK
     bad = 0
     for path, doc in zip(args.files, docs, strict=True):
@@ -421,6 +450,40 @@ def cmd_metrics(args: argparse.Namespace, out: TextIO) -> int:
 # -- the parser ----------------------------------------------------------------------------
 
 
+# argparse types: a value out of range is a usage error (exit status 2), not a traceback.
+
+
+def _whole_number(text: str, low: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """A whole number >= 1."""
+    return _whole_number(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """A whole number >= 0."""
+    return _whole_number(text, 0)
+
+
+def seconds(text: str) -> float:
+    """A finite number of seconds >= 0 (``time.sleep`` cannot wait forever)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvferry",
@@ -438,7 +501,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("config", help="the JSON, or @FILE to read it from a file")
     c.add_argument(
         "--block-size",
-        type=int,
+        type=positive_int,
         metavar="TOKENS",
         help="vLLM's block size, to check block_size against it (vLLM's default is 16 on "
         "GPUs, 128 on CPUs)",
@@ -455,10 +518,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("url", help="the server (http://host:8000) or its /metrics URL")
     t.add_argument("--once", action="store_true", help="print one frame and exit")
     t.add_argument(
-        "--interval", type=float, default=1.0, metavar="S", help="seconds between frames"
+        "--interval", type=seconds, default=1.0, metavar="S", help="seconds between frames"
     )
     t.add_argument(
-        "--count", type=int, default=0, metavar="N", help="exit after N frames (0: never)"
+        "--count",
+        type=non_negative_int,
+        default=0,
+        metavar="N",
+        help="exit after N frames (0: never)",
     )
     t.set_defaults(handler=cmd_top)
 

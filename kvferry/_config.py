@@ -7,7 +7,9 @@ vLLM's numbers (its block size) takes them as arguments, so this module imports 
 from __future__ import annotations
 
 import importlib
+import math
 import os
+import urllib.parse
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -47,17 +49,100 @@ def load_object(key: str, path: Any) -> Any:
 
 
 def _positive_int(key: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
+    # json.loads reads Infinity and NaN: int() of either would raise naming no key.
+    whole = isinstance(value, int) or (
+        isinstance(value, float) and math.isfinite(value) and value.is_integer()
+    )
+    if isinstance(value, bool) or not whole:
         raise ConfigError(key, f"must be a whole number, got {value!r}")
     if value <= 0:
         raise ConfigError(key, f"must be > 0, got {value!r}")
     return int(value)
 
 
+def _finite(value: Any) -> float | None:
+    """``value`` as a float if it is a finite number, else None (json.loads reads
+    Infinity and NaN; NaN compares false with everything, so a range check lets it by)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:  # an int too large for a float
+        return None
+    return number if math.isfinite(number) else None
+
+
 def _positive_float(key: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-        raise ConfigError(key, f"must be a number > 0, got {value!r}")
-    return float(value)
+    number = _finite(value)
+    if number is None or number <= 0:
+        raise ConfigError(key, f"must be a finite number > 0, got {value!r}")
+    return number
+
+
+def _non_negative_float(key: str, value: Any) -> float:
+    number = _finite(value)
+    if number is None or number < 0:
+        raise ConfigError(key, f"must be a finite number >= 0, got {value!r}")
+    return number
+
+
+_REDIS_SCHEMES = ("redis", "rediss")
+_AES_KEY_BYTES = (16, 24, 32)
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password replaced by ``***`` (for errors and logs)."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        if parts.password is None:
+            return url
+        userinfo, _, hostport = parts.netloc.rpartition("@")
+        netloc = f"{userinfo.split(':', 1)[0]}:***@{hostport}"  # the host as written
+        return urllib.parse.urlunsplit(
+            (parts.scheme, netloc, parts.path, parts.query, parts.fragment)
+        )
+    except ValueError:
+        return "<a URL that does not parse; not shown, it may hold a password>"
+
+
+def parse_redis_url(url: object, key: str) -> urllib.parse.SplitResult:
+    """``url`` split, if it is a ``redis://`` or ``rediss://`` URL with a host (and a
+    port, if any, that is a number); else a :class:`ConfigError` naming ``key``.
+
+    The check the Redis tier makes when it is built, here so that the configuration's
+    parse (and ``kvferry check-config``) makes it too, with no ``redis`` package.
+    """
+    if not isinstance(url, str):
+        raise ConfigError(key, f"must be a redis:// or rediss:// URL, got {type(url).__name__}")
+    try:
+        parts = urllib.parse.urlsplit(url)
+        _ = parts.port  # parsed on access: a ValueError if it is not a number
+    except ValueError as exc:
+        raise ConfigError(key, f"{redact_url(url)} does not parse: {exc}") from None
+    if parts.scheme not in _REDIS_SCHEMES or not parts.hostname:
+        raise ConfigError(
+            key,
+            "must be a redis://[user:password@]host[:port][/db] or rediss:// URL, "
+            f"got {redact_url(url)}",
+        )
+    return parts
+
+
+def encrypt_key_bytes(encrypt_key: bytes | str | None, key: str) -> bytes | None:
+    """The AES key of ``encrypt_key`` (hex, or bytes), or None without one; a
+    :class:`ConfigError` naming ``key`` unless it is 16, 24 or 32 bytes."""
+    if encrypt_key is None:
+        return None
+    if isinstance(encrypt_key, str):
+        try:
+            raw = bytes.fromhex(encrypt_key)
+        except ValueError:
+            raise ConfigError(key, "must be a hex string of 16, 24 or 32 bytes") from None
+    else:
+        raw = bytes(encrypt_key)
+    if len(raw) not in _AES_KEY_BYTES:
+        raise ConfigError(key, f"must be an AES key of 16, 24 or 32 bytes, got {len(raw)}")
+    return raw
 
 
 ON_EVICT_WATERMARKS = (0.9, 0.95)
@@ -172,12 +257,16 @@ def _parse_redis(i: int, entry: Mapping[str, Any]) -> RedisTierConfig:
         raise ConfigError(f"{name}.url", "give either url or cluster (a list of URLs), not both")
     if url is not None and (not isinstance(url, str) or not url):
         raise ConfigError(f"{name}.url", "must be a redis:// or rediss:// URL")
+    if url is not None:
+        parse_redis_url(url, f"{name}.url")
     nodes: tuple[str, ...] | None = None
     if cluster is not None:
         if isinstance(cluster, str) or not isinstance(cluster, list | tuple) or not cluster:
             raise ConfigError(f"{name}.cluster", "must be a non-empty list of redis:// URLs")
         if not all(isinstance(u, str) and u for u in cluster):
             raise ConfigError(f"{name}.cluster", "must be a non-empty list of redis:// URLs")
+        for node in cluster:
+            parse_redis_url(node, f"{name}.cluster")
         nodes = tuple(cluster)
     ttl = entry.get("ttl_s", 24 * 3600)
     if ttl is not None:
@@ -185,6 +274,7 @@ def _parse_redis(i: int, entry: Mapping[str, Any]) -> RedisTierConfig:
     key = entry.get("encrypt_key")
     if key is not None and not isinstance(key, str):
         raise ConfigError(f"{name}.encrypt_key", "must be a hex string of 16, 24 or 32 bytes")
+    encrypt_key_bytes(key, f"{name}.encrypt_key")
     size = entry.get("bytes_to_use")
     if size is not None:
         size = _positive_int(f"{name}.bytes_to_use", size)
@@ -216,12 +306,6 @@ def _parse_redis(i: int, entry: Mapping[str, Any]) -> RedisTierConfig:
         ),
         bytes_to_use=size,
     )
-
-
-def _non_negative_float(key: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-        raise ConfigError(key, f"must be a number >= 0, got {value!r}")
-    return float(value)
 
 
 def parse_tiers(value: Any) -> tuple[TierConfig, ...]:

@@ -77,7 +77,8 @@ class Ferry:
     your own). ``cpu_bytes_to_use`` sizes the host pool, allocated on entry.
     ``block_stride_bytes`` picks the block dimension if several have ``num_blocks``
     entries. A copy past ``job_timeout_s`` is cancelled where the engine can cancel it,
-    and fails. ``copy_threads`` sizes the CPU copy engine; ``copy_engine(layout, pool)``
+    and fails. ``copy_threads`` sizes the CPU copy engine (a whole number >= 1, else a
+    :class:`ValueError`; None: one per core, two to four); ``copy_engine(layout, pool)``
     replaces it (tests inject failures this way). ``tracer_provider`` traces every actor
     hop (``handle message`` spans).
     """
@@ -95,6 +96,15 @@ class Ferry:
         stop_timeout_s: float = 10.0,
         tracer_provider: trace.TracerProvider | None = None,
     ) -> None:
+        # Refused here, not when the engine starts: with no copy thread, the first store
+        # would wait forever (its wait is shielded from cancellation).
+        if copy_threads is not None and (
+            isinstance(copy_threads, bool) or not isinstance(copy_threads, int) or copy_threads < 1
+        ):
+            raise ValueError(
+                "copy_threads must be a whole number >= 1 (None: the default), "
+                f"got {copy_threads!r}"
+            )
         if not isinstance(kv_caches, Mapping):
             kv_caches = {f"layer.{i}": t for i, t in enumerate(kv_caches)}
         self.layout: KVLayout = describe_kv_caches(

@@ -125,6 +125,60 @@ def test_a_load_failure_policy_set_by_hand_is_a_warning_not_an_error() -> None:
     assert [(f.key, f.error) for f in findings] == [("kv_load_failure_policy", False)]
 
 
+def errors_of(extra: dict[str, Any]) -> list[str]:
+    """The keys of a bare extra config's error findings, as ``check-config`` prints them."""
+    findings, _ = check_transfer_config(extra)
+    return [f"{f.key}: {f.message}" for f in findings if f.error]
+
+
+def test_keys_good_alone_are_checked_together_as_engine_start_does() -> None:
+    redis = {"kind": "redis", "url": "redis://127.0.0.1:6379/0"}
+    extra = {"cpu_bytes_to_use": 1 << 20, "runtime": "stepped", "tiers": [redis]}
+    assert errors_of(extra) == [
+        "runtime: a redis tier needs the loop-thread runtime ('thread' or 'auto'), got 'stepped'"
+    ]
+    assert errors_of({**extra, "runtime": "thread"}) == []
+
+
+@pytest.mark.parametrize(
+    ("entry", "key"),
+    [
+        ({"url": "http://127.0.0.1:6379"}, "tiers[0].url"),
+        ({"cluster": ["redis://a:7000", "redis://b:notaport"]}, "tiers[0].cluster"),
+        ({"url": "redis://127.0.0.1:6379", "encrypt_key": "zz"}, "tiers[0].encrypt_key"),
+        ({"url": "redis://127.0.0.1:6379", "encrypt_key": "00" * 5}, "tiers[0].encrypt_key"),
+    ],
+)
+def test_a_redis_url_or_key_engine_start_refuses_is_reported_without_a_server(
+    entry: dict[str, Any], key: str
+) -> None:
+    errors = errors_of({"cpu_bytes_to_use": 1 << 20, "tiers": [{"kind": "redis", **entry}]})
+    assert [e.split(": ")[0] for e in errors] == [key], errors
+
+
+def test_infinity_is_a_finding_naming_its_key_not_a_traceback() -> None:
+    r = kvferry("check-config", '{"cpu_bytes_to_use": Infinity}')  # json.loads reads it
+    assert r.returncode == 1, r.stderr
+    assert "error: cpu_bytes_to_use: must be a whole number, got inf" in r.stdout
+    assert r.stderr == ""
+
+
+@pytest.mark.parametrize("block_size", ["0", "-16"])
+def test_a_block_size_below_one_is_a_usage_error(block_size: str) -> None:
+    r = kvferry("check-config", "--block-size", block_size, json.dumps(GOOD))
+    assert r.returncode == 2, r.stderr
+    assert "--block-size: must be >= 1" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_file_that_is_not_text_is_a_usage_error(tmp_path: Path) -> None:
+    path = tmp_path / "kv.json"
+    path.write_bytes(b"\xff\xfe{}")
+    r = kvferry("check-config", f"@{path}")
+    assert r.returncode == 2
+    assert r.stderr.startswith(f"kvferry check-config: error: {path} is not UTF-8 text")
+    assert r.stderr.count("\n") == 1  # one line, no traceback
+
+
 # -- traces ---------------------------------------------------------------------------------
 
 
@@ -158,6 +212,30 @@ def test_traces_summarize_of_a_file_that_is_not_json_fails(tmp_path: Path) -> No
     path.write_text("{")
     r = kvferry("traces", "summarize", str(path))
     assert r.returncode == 2 and "not a JSON document" in r.stderr
+
+
+@pytest.mark.parametrize("command", ["summarize", "merge"])
+@pytest.mark.parametrize("content", ["[]", '{"data": [{"spans": [{}]}]}'])
+def test_traces_of_json_that_is_not_a_trace_file_fails(
+    tmp_path: Path, command: str, content: str
+) -> None:
+    path = tmp_path / "t.json"
+    path.write_text(content)
+    output = ("-o", str(tmp_path / "merged.json")) if command == "merge" else ()
+    r = kvferry("traces", command, str(path), *output)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith(f"kvferry traces: error: {path}: not a Jaeger trace file: ")
+    assert r.stderr.count("\n") == 1  # one line, no traceback
+    assert not (tmp_path / "merged.json").exists()
+
+
+def test_traces_merge_into_a_path_that_cannot_be_written_fails(tmp_path: Path) -> None:
+    path = tmp_path / "t.json"
+    path.write_text('{"data": []}')
+    out = tmp_path / "no-such-dir" / "all.json"
+    r = kvferry("traces", "merge", str(path), "-o", str(out))
+    assert r.returncode == 2
+    assert r.stderr == f"kvferry traces: error: cannot write {out}: No such file or directory\n"
 
 
 # -- metrics --------------------------------------------------------------------------------
@@ -257,6 +335,56 @@ def test_top_of_a_server_that_is_not_there_is_a_usage_error() -> None:
         port = s.getsockname()[1]
     r = kvferry("top", "--once", f"127.0.0.1:{port}")
     assert r.returncode == 2 and "cannot read" in r.stderr
+
+
+@pytest.mark.parametrize("url", ["http://localhost:notaport", "http://[::1"])
+def test_top_of_a_malformed_url_is_a_usage_error(url: str) -> None:
+    pytest.importorskip("rich")
+    r = kvferry("top", "--once", url)
+    assert r.returncode == 2
+    assert r.stderr.startswith(f"kvferry top: error: cannot read {url}")
+    assert r.stderr.count("\n") == 1  # one line, no traceback
+
+
+def test_top_of_a_page_that_is_not_prometheus_text_is_a_usage_error() -> None:
+    pytest.importorskip("rich")
+    pytest.importorskip("prometheus_client")
+    import http.server
+    import threading
+
+    class Html(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b"<html><body>not metrics</body></html>"
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Html)
+    thread = threading.Thread(target=server.serve_forever)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/metrics"
+        r = kvferry("top", "--once", url)
+    finally:
+        server.shutdown()
+        thread.join()
+        server.server_close()
+    assert r.returncode == 2
+    assert r.stderr.startswith(f"kvferry top: error: {url} is not a Prometheus metrics page")
+    assert r.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    ("option", "value"), [("--interval", "inf"), ("--interval", "-1"), ("--count", "-1")]
+)
+def test_top_refuses_an_interval_or_count_out_of_range(option: str, value: str) -> None:
+    r = kvferry("top", "127.0.0.1:9", option, value)  # refused before any request
+    assert r.returncode == 2
+    assert f"argument {option}: must be" in r.stderr and "Traceback" not in r.stderr
 
 
 @pytest.mark.parametrize(

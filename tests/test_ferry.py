@@ -169,6 +169,14 @@ async def test_a_host_pool_smaller_than_one_block_is_refused() -> None:
             pass
 
 
+@pytest.mark.parametrize("threads", [-2, -1, 0, True, 2.5])
+async def test_a_copy_thread_count_below_one_is_refused(threads: int) -> None:
+    # With no copy thread (range(-2) starts none), the first store would never return:
+    # its wait is shielded from cancellation. 0 meant "the default" unsaid: None says it.
+    with pytest.raises(ValueError, match=f"copy_threads must be a whole number >= 1.*{threads}"):
+        Ferry(kv_caches(), num_blocks=NUM_BLOCKS, cpu_bytes_to_use=1 << 20, copy_threads=threads)
+
+
 async def test_a_ferry_is_used_inside_async_with() -> None:
     ferry = Ferry(kv_caches(), num_blocks=NUM_BLOCKS, cpu_bytes_to_use=1 << 20)
     with pytest.raises(RuntimeError, match="async with"):

@@ -56,6 +56,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
+from .._config import encrypt_key_bytes, parse_redis_url, redact_url
 from .._errors import ConfigError
 from .._logging import get_logger
 from .._private_api import redis_streams_replies, reply_error, reply_stream
@@ -74,7 +75,6 @@ from ._format import (
 
 _NONCE_BYTES = 12
 _TAG_BYTES = 16
-_SCHEMES = ("redis", "rediss")
 _FREE_BUFFERS = 8
 """Write buffers kept for reuse (one per write in flight: the actor's ``io_depth``)."""
 
@@ -109,55 +109,15 @@ class RedisStatistics:
     breaker: BreakerStatistics
 
 
-def redact_url(url: str) -> str:
-    """``url`` with its password replaced by ``***`` (for errors and logs)."""
-    try:
-        parts = urllib.parse.urlsplit(url)
-        if parts.password is None:
-            return url
-        userinfo, _, hostport = parts.netloc.rpartition("@")
-        netloc = f"{userinfo.split(':', 1)[0]}:***@{hostport}"  # the host as written
-        return urllib.parse.urlunsplit(
-            (parts.scheme, netloc, parts.path, parts.query, parts.fragment)
-        )
-    except ValueError:
-        return "<a URL that does not parse; not shown, it may hold a password>"
-
-
-def _parse_url(url: object, key: str) -> urllib.parse.SplitResult:
-    if not isinstance(url, str):
-        raise ConfigError(key, f"a redis:// or rediss:// URL, got {type(url).__name__}")
-    try:
-        parts = urllib.parse.urlsplit(url)
-        port = parts.port
-    except ValueError as exc:
-        raise ConfigError(key, f"{redact_url(url)} does not parse: {exc}") from None
-    if parts.scheme not in _SCHEMES or not parts.hostname:
-        raise ConfigError(
-            key, f"a redis://[user:password@]host[:port][/db] or rediss:// URL: {redact_url(url)}"
-        )
-    del port
-    return parts
-
-
 _KEY_ID_LABEL = b"kvferry redis encrypt_key id"
 
 
 def _aead(encrypt_key: bytes | str | None, key: str) -> tuple[Any, str]:
     """The AES-GCM sealer of ``encrypt_key`` and the key's id for Redis keys (``""``
     without a key)."""
-    if encrypt_key is None:
+    raw = encrypt_key_bytes(encrypt_key, key)
+    if raw is None:
         return None, ""
-    raw: bytes
-    if isinstance(encrypt_key, str):
-        try:
-            raw = bytes.fromhex(encrypt_key)
-        except ValueError:
-            raise ConfigError(key, "a hex string of 16, 24 or 32 bytes") from None
-    else:
-        raw = bytes(encrypt_key)
-    if len(raw) not in (16, 24, 32):
-        raise ConfigError(key, f"an AES key is 16, 24 or 32 bytes, got {len(raw)}")
     try:
         from cryptography.hazmat.primitives.ciphers.aead import AESGCM
     except ImportError as exc:
@@ -500,7 +460,7 @@ class RedisStore:
             raise ConfigError(self.config_key, "a non-empty list of redis:// URLs")
         else:
             urls = list(cluster)
-        parsed = [_parse_url(u, self.config_key) for u in urls]
+        parsed = [parse_redis_url(u, self.config_key) for u in urls]
         self.is_cluster = cluster is not None
         self.url = redact_url(urls[0]) if url is not None else ",".join(map(redact_url, urls))
         self.fingerprint = fingerprint

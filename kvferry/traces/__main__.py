@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from ._jaeger import check_document, merge_documents
-from ._summary import load_documents, summarize
+from ._summary import load_documents, load_trace_files, summarize
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -42,8 +42,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     c.add_argument("files", nargs="+")
     args = parser.parse_args(argv)
 
+    # summarize and merge take only what check_document passes; check reports the rest.
+    load = load_documents if args.command == "check" else load_trace_files
     try:
-        docs = load_documents(args.files)
+        docs = load(args.files)
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -51,8 +53,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.write(summarize(docs, max_traces=args.traces, request_id=args.request))
         return 0
     if args.command == "merge":
-        with open(args.output, "w") as f:
-            json.dump(merge_documents(docs), f)
+        try:
+            with open(args.output, "w") as f:
+                json.dump(merge_documents(docs), f)
+        except OSError as exc:
+            print(f"error: cannot write {args.output}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
         return 0
     bad = 0
     for path, doc in zip(args.files, docs, strict=True):

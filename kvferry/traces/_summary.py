@@ -15,7 +15,7 @@ from typing import Any
 
 import attrs
 
-from ._jaeger import JsonDict, merge_documents
+from ._jaeger import JsonDict, check_document, merge_documents
 from ._spans import SPAN_COPY, SPAN_REQUEST
 
 # Tags worth a column in a timeline, in this order (without the "kvferry." prefix).
@@ -52,9 +52,25 @@ def load_documents(paths: Iterable[str | Path]) -> list[JsonDict]:
     docs = []
     for p in paths:
         try:
-            docs.append(json.loads(Path(p).read_text()))
+            docs.append(json.loads(Path(p).read_text(encoding="utf-8")))
         except json.JSONDecodeError as exc:
             raise ValueError(f"{p}: not a JSON document ({exc})") from None
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{p}: not a JSON document (not UTF-8 text: {exc})") from None
+    return docs
+
+
+def load_trace_files(paths: Iterable[str | Path]) -> list[JsonDict]:
+    """Parse each file and check it is a trace file (:func:`check_document`); raises
+    ``ValueError`` naming a file that is not JSON, or not a Jaeger document (with its
+    first problem), which :func:`summarize` and :func:`merge_documents` could not read."""
+    paths = list(paths)
+    docs = load_documents(paths)
+    for p, doc in zip(paths, docs, strict=True):
+        problems = check_document(doc)
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise ValueError(f"{p}: not a Jaeger trace file: {problems[0]}{more}")
     return docs
 
 

@@ -115,10 +115,10 @@ class _Piece:
 
 
 class ThreadCopyEngine:
-    """The CPU path: ``num_threads`` copy threads (default :func:`default_num_threads`),
-    jobs cut into pieces of about ``piece_bytes``, run by ``kernel`` (``"auto"``,
-    ``"jit"``, ``"memmove"`` — see :func:`~kvferry.transfer._kernel.batch_kernel` — or
-    a kernel function)."""
+    """The CPU path: ``num_threads`` copy threads (at least one; None:
+    :func:`default_num_threads`), jobs cut into pieces of about ``piece_bytes``, run by
+    ``kernel`` (``"auto"``, ``"jit"``, ``"memmove"`` — see
+    :func:`~kvferry.transfer._kernel.batch_kernel` — or a kernel function)."""
 
     def __init__(
         self,
@@ -131,6 +131,13 @@ class ThreadCopyEngine:
     ) -> None:
         if piece_bytes <= 0:
             raise ValueError(f"piece_bytes must be > 0, got {piece_bytes}")
+        # With no copy thread, a submitted job would never end.
+        if num_threads is not None and (
+            isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1
+        ):
+            raise ValueError(
+                f"num_threads must be a whole number >= 1 (None: the default), got {num_threads!r}"
+            )
         self.layout = layout
         self.pool = pool
         self.piece_bytes = piece_bytes
@@ -138,7 +145,7 @@ class ThreadCopyEngine:
             self.kernel_name, self._kernel = getattr(kernel, "__name__", "custom"), kernel
         else:
             self.kernel_name, self._kernel = batch_kernel(kernel)
-        self.num_threads = num_threads or default_num_threads()
+        self.num_threads = default_num_threads() if num_threads is None else num_threads
         self._cv = threading.Condition()
         self._queues: dict[Direction, collections.deque[_Piece]] = {
             "load": collections.deque(),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -157,3 +158,73 @@ def test_a_disk_and_a_redis_tier_parse_in_that_order() -> None:
     )
     assert [t.kind for t in cfg.tiers] == ["disk", "redis"]
     assert cfg.tiers[1].index == 1 and cfg.tiers[1].lookup_wait_ms == 0.0
+
+
+@pytest.mark.parametrize(
+    ("extra", "key"),
+    [
+        ({"cpu_bytes_to_use": math.inf}, "cpu_bytes_to_use"),
+        ({"cpu_bytes_to_use": math.nan}, "cpu_bytes_to_use"),
+        ({"cpu_bytes_to_use": 10**7, "block_size": math.inf}, "block_size"),
+        (
+            {"cpu_bytes_to_use": 10**7, "store_threshold_tracker_size": -math.inf},
+            "store_threshold_tracker_size",
+        ),
+        ({"cpu_bytes_to_use": 10**7, "tiers": [{**DISK, "bytes_to_use": math.nan}]},
+         "tiers[0].bytes_to_use"),
+    ],
+)  # fmt: skip
+def test_an_infinite_or_nan_whole_number_names_its_key(extra: dict[str, Any], key: str) -> None:
+    # json.loads reads Infinity and NaN; int() of them raises naming no key.
+    with pytest.raises(ConfigError, match="must be a whole number") as info:
+        FerryConfig.from_dict(extra)
+    assert info.value.key == key
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, 10**400], ids=["nan", "inf", "10**400"])
+@pytest.mark.parametrize(
+    ("name", "tier"),
+    [
+        ("job_timeout_s", None),
+        ("op_timeout_s", REDIS),
+        ("connect_timeout_s", REDIS),
+        ("lookup_wait_ms", REDIS),
+        ("breaker_cooldown_s", REDIS),
+        ("scan_budget_s", DISK),
+    ],
+)
+def test_a_duration_must_be_finite(name: str, tier: dict[str, Any] | None, value: float) -> None:
+    # NaN passed the range checks (NaN <= 0 is false): a deadline of now + NaN never
+    # passes. No key documents infinity as "never" (ttl_s says so with null).
+    extra = {name: value} if tier is None else {"tiers": [{**tier, name: value}]}
+    with pytest.raises(ConfigError, match="must be a finite number") as info:
+        FerryConfig.from_dict({"cpu_bytes_to_use": 10**7, **extra})
+    assert info.value.key == (name if tier is None else f"tiers[0].{name}")
+
+
+@pytest.mark.parametrize(
+    ("entry", "key", "why"),
+    [
+        ({"url": "http://127.0.0.1:6379"}, "tiers[0].url", "redis://"),
+        ({"url": "redis://127.0.0.1:notaport"}, "tiers[0].url", "does not parse"),
+        ({"url": "redis://"}, "tiers[0].url", "redis://"),
+        ({"cluster": ["redis://a:7000", "ftp://b"]}, "tiers[0].cluster", "redis://"),
+        ({**REDIS, "encrypt_key": "zz"}, "tiers[0].encrypt_key", "hex string"),
+        ({**REDIS, "encrypt_key": "00" * 5}, "tiers[0].encrypt_key", "16, 24 or 32 bytes, got 5"),
+    ],
+)
+def test_a_redis_url_or_key_is_checked_when_parsed_not_only_at_engine_start(
+    entry: dict[str, Any], key: str, why: str
+) -> None:
+    # The same checks RedisStore makes when it is built: no server, no redis package.
+    with pytest.raises(ConfigError, match=why) as info:
+        FerryConfig.from_dict({"cpu_bytes_to_use": 10**7, "tiers": [{"kind": "redis", **entry}]})
+    assert info.value.key == key
+
+
+def test_a_good_encrypt_key_and_cluster_parse() -> None:
+    tier = {"kind": "redis", "cluster": ["redis://a:7000", "rediss://u:p@b"]}
+    cfg = FerryConfig.from_dict(
+        {"cpu_bytes_to_use": 10**7, "tiers": [{**tier, "encrypt_key": "ab" * 32}]}
+    )
+    assert cfg.tiers[0].encrypt_key == "ab" * 32

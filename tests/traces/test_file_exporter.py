@@ -211,6 +211,27 @@ def test_check_command_fails_on_a_bad_file(
     assert main(["summarize", str(bad)]) == 2
 
 
+@pytest.mark.parametrize("command", ["summarize", "merge"])
+@pytest.mark.parametrize("content", ["[]", '{"data": [{"spans": [{}]}]}'])
+def test_summarize_and_merge_refuse_json_that_is_not_a_trace_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str, content: str
+) -> None:
+    path = tmp_path / "t.json"
+    path.write_text(content)
+    out = tmp_path / "merged.json"
+    assert main([command, str(path), *(["-o", str(out)] if command == "merge" else [])]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {path}: not a Jaeger trace file: ")
+    assert not out.exists()
+
+
+def test_merge_into_a_path_that_cannot_be_written_fails(
+    two_process_files: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "no-such-dir" / "merged.json"
+    assert main(["merge", *map(str, two_process_files), "-o", str(out)]) == 2
+    assert capsys.readouterr().err == f"error: cannot write {out}: No such file or directory\n"
+
+
 def test_spans_are_written_at_flush_not_only_at_exit(tmp_path: Path) -> None:
     path = tmp_path / "t.json"
     provider = setup({"file": str(path)}, environ={})

@@ -319,6 +319,16 @@ def test_raw_access_to_a_group_that_does_not_exist_is_refused() -> None:
         KVBlockAccess(layout_of(vllm_cpu()), group=3)
 
 
+@pytest.mark.parametrize("threads", [-1, 0, True])
+def test_a_cpu_engine_without_a_copy_thread_is_refused(threads: int) -> None:
+    # No copy thread would ever end a submitted job; 0 is refused rather than read as
+    # "the default" (None says that).
+    layout = layout_of(vllm_cpu())
+    pool = HostPool(num_slots=2, blocks_per_chunk=1, row_bytes=layout.row_bytes)
+    with pytest.raises(ValueError, match="num_threads must be a whole number >= 1"):
+        new_copy_engine(layout, pool, num_threads=threads)
+
+
 def test_new_copy_engine_passes_its_tuning_to_the_cpu_engine() -> None:
     layout = layout_of(vllm_cpu())
     pool = HostPool(num_slots=2, blocks_per_chunk=1, row_bytes=layout.row_bytes)
