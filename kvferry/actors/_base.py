@@ -16,7 +16,9 @@ Semantics (pykka's, on bounded mailboxes; docs/actors.md has the table):
   supervisor (:class:`RestartPolicy`).
 - ``stop()`` lets the actor handle what is already queued, then stops it;
   ``stop(drain=False)`` cancels it at once. Whatever is still queued when an actor ends
-  is dropped: queued asks fail with ``ActorStopped``, queued tells are counted.
+  is dropped: queued asks fail with ``ActorStopped`` (so does any other answer slot a
+  queued message carries, a tell's ``notify``: :func:`replies_of`), queued tells are
+  counted.
 """
 
 from __future__ import annotations
@@ -137,6 +139,25 @@ def reply_of(msg: object) -> Reply[Any] | None:
     """The reply slot of an ask-message (a ``reply`` field), else None."""
     reply = getattr(msg, "reply", None)
     return reply if isinstance(reply, Reply) else None
+
+
+def replies_of(msg: object) -> list[Reply[Any]]:
+    """Every answer slot a message carries: each attrs field holding a :class:`Reply`,
+    whatever its name (an ask's ``reply``, a tell's ``notify``), else :func:`reply_of`'s.
+
+    What an actor that ends with the message still queued fails, so that no waiter on
+    any of them waits forever.
+    """
+    cls = type(msg)
+    if not attrs.has(cls):
+        reply = reply_of(msg)
+        return [] if reply is None else [reply]
+    replies: list[Reply[Any]] = []
+    for field in attrs.fields(cls):
+        value = getattr(msg, field.name, None)
+        if isinstance(value, Reply) and all(value is not r for r in replies):
+            replies.append(value)
+    return replies
 
 
 @attrs.frozen(kw_only=True)

@@ -12,8 +12,9 @@ Mailbox fate, in one place:
   actor;
 - on a graceful stop the queued messages are handled, then the actor stops;
 - on escalation or cancellation whatever is still queued (and the message being handled,
-  if it was an ask) fails with :class:`~kvferry.ActorStopped`; queued tells are counted
-  as dropped and logged.
+  if it was an ask) fails with :class:`~kvferry.ActorStopped`: every answer slot a queued
+  message carries (:func:`~kvferry.actors._base.replies_of`: an ask's ``reply``, a tell's
+  ``notify``); queued tells without one are counted as dropped and logged.
 
 Handled now (:meth:`_Cell.handle_now`, the sync runtimes' short way for an actor's
 ``immediate`` messages): only while the task waits at an empty mailbox, so the message
@@ -40,7 +41,7 @@ from opentelemetry import trace
 from .._errors import ActorStopped
 from .._logging import get_logger
 from .._private_api import context_var_setter, event_factory
-from ._base import Actor, ActorStatistics, Envelope, Reply, reply_of
+from ._base import Actor, ActorStatistics, Envelope, Reply, replies_of
 from ._context import HopScope
 from ._mailbox import Mailbox
 
@@ -318,13 +319,16 @@ class _Cell(Generic[M]):
                 msg, reply, _ = self.mailbox.receive_nowait()
             except (anyio.WouldBlock, anyio.EndOfStream):
                 break
-            reply = reply or reply_of(msg)
-            if reply is not None:
-                reply.fail(
-                    self._stopped_error(
-                        f"actor {self.name} {how} before answering {type(msg).__name__}"
+            replies = replies_of(msg)
+            if reply is not None and all(reply is not r for r in replies):
+                replies.append(reply)
+            if replies:
+                for slot in replies:
+                    slot.fail(
+                        self._stopped_error(
+                            f"actor {self.name} {how} before answering {type(msg).__name__}"
+                        )
                     )
-                )
             else:
                 self.dropped += 1
                 self._log.warning("tell_dropped_on_stop", message=type(msg).__name__)

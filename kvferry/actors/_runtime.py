@@ -16,6 +16,15 @@ message straight into the mailbox (:class:`_Deliver`) and wait for the reply. An
 which runs calls one at a time: a call costs no new task, and runs in a real task
 (cancel scopes, anyio primitives and contextvars all behave as in any task). Either way
 the caller's span and log context travel with the call.
+
+A delivery that finds its mailbox full waits for room in a task of its own, in a task
+group the server owns (:func:`serve_deliveries`), never in the server itself: one stuck
+actor must not hold up the calls and the deliveries of everyone else. A caller is
+blocked on its own ask or tell until it is delivered (or answered), so it has at most
+one delivery waiting and its messages keep their order. An ask abandoned by its caller
+(a timeout) is withdrawn from the wait (:meth:`_Deliver.withdraw`); at the close marker
+the server cancels the deliveries still waiting, failing them with
+:class:`~kvferry.ActorStopped`, before it returns and the system stops.
 """
 
 from __future__ import annotations
@@ -24,6 +33,10 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
+import anyio
+from anyio.abc import TaskGroup
+
+from .._errors import ActorStopped
 from ._base import ActorRef, Envelope, MakeAsk, Reply
 from ._context import HopScope, capture
 from ._system import ActorSystem, ShutdownReport
@@ -97,10 +110,10 @@ class _Deliver:
     call server. Only when the mailbox is full does the server take it, to wait for room.
 
     The caller waits on ``reply`` (an ask) or on ``call`` (a tell); :meth:`fail` ends
-    whichever it is.
+    whichever it is. ``scope`` is set while the delivery waits for room (on the loop).
     """
 
-    __slots__ = ("ref", "envelope", "reply", "call")
+    __slots__ = ("ref", "envelope", "reply", "call", "scope", "withdrawn")
 
     def __init__(
         self,
@@ -113,6 +126,16 @@ class _Deliver:
         self.envelope = envelope
         self.reply = reply
         self.call = call
+        self.scope: anyio.CancelScope | None = None
+        self.withdrawn = False
+
+    def withdraw(self) -> None:
+        """The caller gave up: a delivery still waiting for room is not made. On the
+        loop's thread (the stepped runtime: between iterations; the thread runtime: a
+        callback scheduled by the caller)."""
+        self.withdrawn = True
+        if self.scope is not None:
+            self.scope.cancel()
 
     def offer(self) -> bool:
         """Queue it now if there is room (True); on the loop's thread only."""
@@ -150,14 +173,42 @@ class _Deliver:
 
 
 async def send_waiting(item: _Deliver) -> None:
-    """The call server's part of a :class:`_Deliver` that found the mailbox full."""
-    try:
-        await item.ref._post(item.envelope, item.reply)
-    except Exception as exc:
-        item.fail(exc)
-        return
-    if item.call is not None:
-        item.call.finish()
+    """Wait for room for a :class:`_Deliver` that found the mailbox full, in a task of
+    its own (:func:`serve_deliveries`). Withdrawn (:meth:`_Deliver.withdraw`) or
+    cancelled, it leaves the mailbox's queue of waiting senders (unless the actor had
+    already taken it in) and its caller, if still waiting, gets
+    :class:`~kvferry.ActorStopped`."""
+    with anyio.CancelScope() as scope:
+        item.scope = scope
+        if item.withdrawn or (item.reply is not None and item.reply._abandoned):
+            scope.cancel()
+        try:
+            await item.ref._post(item.envelope, item.reply)
+        except Exception as exc:
+            item.fail(exc)
+            return
+        except BaseException:
+            item.fail(ActorStopped(f"not delivered to {item.ref.name}: the runtime is closing"))
+            raise
+        finally:
+            item.scope = None
+        if item.call is not None:
+            item.call.finish()
+
+
+async def serve_deliveries(
+    serve: Callable[[TaskGroup], Awaitable[None]],
+) -> None:
+    """Run the call server ``serve(deliveries)``, where ``deliveries`` is the task group
+    its waiting deliveries run in; once it returns (the close marker) or fails, cancel
+    the deliveries still waiting (each fails with :class:`~kvferry.ActorStopped`) and
+    wait for them, so that the system's shutdown starts with nothing of the server left.
+    """
+    async with anyio.create_task_group() as deliveries:
+        try:
+            await serve(deliveries)
+        finally:
+            deliveries.cancel_scope.cancel()
 
 
 async def run_call(call: _Call) -> None:

@@ -33,6 +33,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import attrs
+from anyio.abc import TaskGroup
 from opentelemetry import trace
 
 from .._errors import ActorCrashed, ActorStopped
@@ -48,6 +49,7 @@ from ._runtime import (
     route_ref_call,
     run_call,
     send_waiting,
+    serve_deliveries,
 )
 from ._system import ActorSystem, ShutdownReport
 
@@ -121,13 +123,26 @@ class SteppedRuntime:
                 await run_call(ready)
                 end_step()
                 if ready.error is None:
-                    await self._serve(loop, end_step)
+                    await serve_deliveries(
+                        lambda deliveries: self._serve(loop, end_step, deliveries)
+                    )
         except ActorCrashed:
             pass  # already reported: by calls, by the log, and in the shutdown report
 
-    async def _serve(self, loop: asyncio.AbstractEventLoop, end_step: Callable[[], None]) -> None:
-        """The call server: one call at a time, in this (the host) task."""
+    async def _serve(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        end_step: Callable[[], None],
+        deliveries: TaskGroup,
+    ) -> None:
+        """The call server: one call at a time, in this (the host) task; a delivery to a
+        full mailbox waits for room in a task of its own, in ``deliveries``."""
         queue = self._queue
+
+        async def deliver(item: _Deliver) -> None:
+            await send_waiting(item)
+            end_step()  # its caller may wait for it
+
         while True:
             while not queue:
                 self._wakeup = loop.create_future()
@@ -136,9 +151,9 @@ class SteppedRuntime:
             if item is None:
                 return
             if isinstance(item, _Deliver):
-                await send_waiting(item)
-            else:
-                await run_call(item)
+                deliveries.start_soon(deliver, item, name=f"deliver to {item.ref.name}")
+                continue
+            await run_call(item)
             # Ends this step after the current iteration: the actors that the call woke
             # have run as far as they could without waiting.
             end_step()
@@ -225,6 +240,7 @@ class SteppedRuntime:
             self._step_until(reply, timeout)
         except BaseException:
             reply._abandoned = True
+            self._withdraw(item)
             raise
         return reply.result()
 
@@ -243,8 +259,19 @@ class SteppedRuntime:
         item = _Deliver(ref, (msg, None, call.hop), None, call)
         if not item.offer():
             self._submit(item)
-            self._step_until(call)
+            try:
+                self._step_until(call)
+            except BaseException:
+                self._withdraw(item)
+                raise
         call.result()
+
+    def _withdraw(self, item: _Deliver) -> None:
+        """A delivery whose caller gave up: not made if it still waits for room (the
+        loop's next iteration takes it out of the mailbox's waiting senders)."""
+        stepper, host = self._stepper, self._host
+        if stepper is not None and host is not None and not host.done():
+            stepper.run_now(item.withdraw)
 
     def close(self) -> ShutdownReport:
         """Stop the actors (dependency order, within the deadline), then close the loop.

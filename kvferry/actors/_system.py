@@ -14,6 +14,7 @@ spawned first lets every actor drain while the actors it talks to still answer.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -22,7 +23,7 @@ import attrs
 from anyio.abc import TaskGroup
 from opentelemetry import trace
 
-from .._errors import ActorCrashed
+from .._errors import ActorCrashed, ActorStopped
 from .._logging import get_logger
 from ._base import ActorRef, ActorStatistics
 from ._cell import ActorSource, _Cell
@@ -119,14 +120,27 @@ class ActorSystem:
 
         ``actor`` is an instance (a restart keeps its state, see ``on_restart``) or a
         factory called for the first start and for every restart (fresh state).
-        Raises whatever ``on_start`` raised; names are unique within a system.
+        Raises whatever ``on_start`` raised; names are unique within a system. An actor
+        still starting when the system begins to stop is stopped with the others (in
+        its place in the order): its ``spawn`` returns a ref to a stopped actor, or
+        raises :class:`~kvferry.ActorStopped` if the stop deadline cut ``on_start`` short.
         """
         tg = self._check_running()
         cell: _Cell[M] = _Cell(self, actor, name, self._tracer)
         if any(c.name == cell.name for c in self._cells):
             raise ValueError(f"an actor named {cell.name!r} already runs in this system")
-        await tg.start(cell.run, name=f"actor {cell.name}")
+        # Registered before it starts, so that a stop beginning meanwhile stops it too.
         self._cells.append(cell)
+        try:
+            await tg.start(cell.run, name=f"actor {cell.name}")
+        except BaseException as exc:
+            if cell.stopped.is_set():  # it never ran: its name is free again
+                self._cells.remove(cell)
+            if cell._kill and isinstance(exc, RuntimeError):
+                # Cancelled in on_start by the stop deadline: anyio's "exited without
+                # calling started" says nothing useful.
+                raise ActorStopped(f"actor {cell.name} was stopped while starting") from None
+            raise
         return ActorRef(cell)
 
     def send_after(self, delay_s: float, ref: ActorRef[M], msg: M) -> Timer:
@@ -169,7 +183,7 @@ class ActorSystem:
             for timer in list(self._timers):
                 timer.cancel()
             deadline = anyio.current_time() + self._stop_timeout_s
-            for cell in reversed(self._cells):
+            for cell in self._cells_to_stop():
                 cell.close(drain=True)
                 with anyio.CancelScope(deadline=deadline):
                     await cell.stopped.wait()
@@ -185,6 +199,17 @@ class ActorSystem:
         if self._stopped is not None:
             self._stopped.set()
         return self.shutdown_report
+
+    def _cells_to_stop(self) -> Iterator[_Cell[Any]]:
+        """Every cell, last spawned first, each once; a cell registered while the
+        stopping runs (by a spawn that began before it) is stopped too."""
+        done: set[int] = set()
+        while True:
+            cell = next((c for c in reversed(self._cells) if id(c) not in done), None)
+            if cell is None:
+                return
+            done.add(id(cell))
+            yield cell
 
     async def wait_stopped(self) -> ShutdownReport:
         """Wait until the system has stopped (after an escalation, or ``stop_all``)."""

@@ -28,12 +28,21 @@ from typing import Any, TypeVar
 
 import anyio
 import attrs
+from anyio.abc import TaskGroup
 from opentelemetry import trace
 
 from .._errors import ActorCrashed, ActorStopped
 from .._logging import get_logger
 from ._base import ActorRef, MakeAsk
-from ._runtime import Setup, _Call, _Deliver, route_ref_call, run_call, send_waiting
+from ._runtime import (
+    Setup,
+    _Call,
+    _Deliver,
+    route_ref_call,
+    run_call,
+    send_waiting,
+    serve_deliveries,
+)
 from ._system import ActorSystem, ShutdownReport
 
 T = TypeVar("T")
@@ -174,7 +183,7 @@ class ThreadRuntime:
                 ready.args = (system,)
                 await run_call(ready)
                 if ready.error is None:
-                    await self._serve()
+                    await serve_deliveries(self._serve)
         except ActorCrashed:
             pass  # already reported: by calls, by the log, and in the shutdown report
         finally:
@@ -188,8 +197,9 @@ class ThreadRuntime:
                 )
             )
 
-    async def _serve(self) -> None:
-        """The call server: one call at a time, in the host task."""
+    async def _serve(self, deliveries: TaskGroup) -> None:
+        """The call server: one call at a time, in the host task; a delivery to a full
+        mailbox waits for room in a task of its own, in ``deliveries``."""
         queue = self._queue
         while True:
             # No await between this check and the wait: a wakeup (run on this thread)
@@ -201,7 +211,7 @@ class ThreadRuntime:
             if item is None:
                 return
             if isinstance(item, _Deliver):
-                await send_waiting(item)
+                deliveries.start_soon(send_waiting, item, name=f"deliver to {item.ref.name}")
             else:
                 await run_call(item)
 
@@ -269,9 +279,16 @@ class ThreadRuntime:
         self._check_open()
         waker = _LockWaker()
         reply, envelope = ref._prepare_ask(make, waker)
-        self._post(_Deliver(ref, envelope, reply))
+        item = _Deliver(ref, envelope, reply)
+        self._post(item)
         if not waker.lock.acquire(timeout=-1 if timeout is None else timeout):
             reply._abandoned = True  # read by the actor's task; a plain flag is enough
+            waker_ = self._waker
+            assert waker_ is not None
+            try:
+                waker_(item.withdraw)  # if it still waits for room, it is not delivered
+            except LoopEnded:
+                pass
             raise TimeoutError(f"no answer from {ref.name} within {timeout} s")
         return reply.result()
 

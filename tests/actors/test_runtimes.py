@@ -14,9 +14,11 @@ from kvferry.actors import (
     Actor,
     ActorCrashed,
     ActorRef,
+    ActorStatistics,
     ActorStopped,
     ActorSystem,
     Reply,
+    ShutdownReport,
     SteppedRuntime,
     ThreadRuntime,
     start_runtime,
@@ -280,3 +282,118 @@ def test_the_thread_runtime_wakes_its_loop_without_anyios_private_backend_api(
 
 async def _double(n: int) -> int:
     return 2 * n
+
+
+# -- deliveries waiting for room ---------------------------------------------------------
+# A delivery to a full mailbox waits for room in a task of its own, never in the call
+# server. The defects these pin were hangs: each test runs the calls that hung in a
+# thread of its own and bounds the wait for it.
+
+
+def _bounded(fn: Callable[[], object], timeout: float = 5.0) -> object:
+    """``fn()`` in a daemon thread; its result, or fail if it has not returned in time."""
+    out: list[object] = []
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        except BaseException as exc:  # handed to the test
+            out.append(exc)
+        done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    assert done.wait(timeout), f"{fn} still running after {timeout} s"
+    if isinstance(out[0], BaseException):
+        raise out[0]
+    return out[0]
+
+
+def _fill_and_abandon(runtime: SteppedRuntime | ThreadRuntime, ref: ActorRef[Msg]) -> anyio.Event:
+    """Hold ``ref`` in its handler, fill its mailbox (2), then ask it and give up."""
+    gate = runtime.call(_make_event)  # set by the caller, when it wants
+    for _ in range(3):  # one in the handler, two queued
+        runtime.tell(ref, Block(gate=gate))
+    with pytest.raises(TimeoutError):
+        runtime.ask(ref, Get, timeout=0.05)  # handed to the call server: it waits for room
+    return gate
+
+
+async def spawn_two(system: ActorSystem) -> tuple[ActorRef[Msg], ActorRef[Msg]]:
+    stuck = await system.spawn(Counter(), name="stuck")
+    healthy = await system.spawn(Counter(), name="healthy")
+    return stuck, healthy
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_delivery_waiting_for_room_does_not_hold_up_other_calls(kind: str) -> None:
+    runtime, (stuck, healthy) = start_runtime(kind, spawn_two, stop_timeout_s=0.5)
+    gate = _fill_and_abandon(runtime, stuck)
+
+    def others() -> int:
+        assert runtime.call(_double, 21) == 42  # a call the server runs
+        for _ in range(6):  # more than its mailbox holds: the stepped tells wait for room
+            runtime.tell(healthy, Add(n=1))
+        return runtime.ask(healthy, Get)
+
+    assert _bounded(others) == 6
+    runtime.call(_set, gate)
+    assert runtime.close().clean
+
+
+async def _settled_statistics(ref: ActorRef[Msg]) -> ActorStatistics:
+    await anyio.wait_all_tasks_blocked()
+    return ref.statistics()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_abandoned_ask_waiting_for_room_is_withdrawn(kind: str) -> None:
+    runtime, ref = start_runtime(kind, spawn_counter, stop_timeout_s=0.5)
+    gate = _fill_and_abandon(runtime, ref)
+    stats = _bounded(lambda: runtime.call(_settled_statistics, ref))
+    assert stats.senders_waiting == 0  # type: ignore[attr-defined]
+    runtime.call(_set, gate)
+    assert runtime.ask(ref, Get) == 0
+    stats = ref.statistics()
+    assert (stats.messages_handled, stats.messages_dropped) == (4, 0)  # three Blocks, a Get
+    assert runtime.close().clean
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_close_is_bounded_after_an_ask_timed_out_on_a_full_mailbox(kind: str) -> None:
+    runtime, ref = start_runtime(kind, spawn_counter, stop_timeout_s=0.2)
+    _fill_and_abandon(runtime, ref)  # its gate is never set: the actor stays stuck
+    report = _bounded(runtime.close)
+    assert report == ShutdownReport(timed_out=("counter",))
+
+
+def test_close_fails_a_tell_still_waiting_for_room() -> None:
+    runtime, ref = start_runtime("thread", spawn_counter, stop_timeout_s=0.2)
+    gate = runtime.call(_make_event)  # never set
+    for _ in range(3):
+        runtime.tell(ref, Block(gate=gate))
+    teller_waits = threading.Event()
+    outcome: list[BaseException | None] = []
+
+    def teller() -> None:
+        teller_waits.set()
+        try:
+            runtime.tell(ref, Add(n=1))  # waits for room, in a delivery task
+        except ActorStopped as exc:
+            outcome.append(exc)
+        else:
+            outcome.append(None)
+
+    thread = threading.Thread(target=teller, daemon=True)
+    thread.start()
+    assert teller_waits.wait(5.0)
+
+    async def wait_parked() -> None:
+        while not ref.statistics().senders_waiting:
+            await anyio.wait_all_tasks_blocked()
+
+    runtime.call(wait_parked)
+    report = _bounded(runtime.close)
+    thread.join(5.0)
+    assert report == ShutdownReport(timed_out=("counter",))
+    assert len(outcome) == 1 and isinstance(outcome[0], ActorStopped)

@@ -23,7 +23,7 @@ from kvferry.actors._testing import (
     virtual_time_backend,
 )
 
-from ._actors import Counter, Get, block
+from ._actors import Block, Counter, Get, Msg, block
 
 pytestmark = pytest.mark.anyio
 
@@ -136,3 +136,93 @@ def test_a_sync_runtime_leaves_no_task_or_thread_behind(kind: str) -> None:
     assert report == ShutdownReport() and report.clean
     assert log == ["writer stopped", "writer says goodbye", "journal stopped"]
     assert runtime.close() is report  # idempotent
+
+
+class SlowStart(Counter):
+    """A counter whose ``on_start`` waits for ``gate``."""
+
+    def __init__(self, gate: anyio.Event) -> None:
+        super().__init__()
+        self.gate = gate
+
+    async def on_start(self) -> None:
+        await self.gate.wait()
+
+
+async def test_an_actor_starting_when_the_system_begins_to_stop_is_stopped_too() -> None:
+    gate = anyio.Event()
+    refs: list[ActorRef[Msg]] = []
+    with anyio.fail_after(5.0):  # the defect is a hang on leaving the system
+        async with ActorSystem() as system, anyio.create_task_group() as tg:
+            first = await system.spawn(Counter(), name="first")
+
+            async def spawn_slow() -> None:
+                refs.append(await system.spawn(SlowStart(gate), name="slow"))
+
+            tg.start_soon(spawn_slow)
+            await settle()  # "slow" waits in on_start
+            tg.start_soon(system.stop_all)
+            await settle()
+            # Stopping waits for the actor spawned last, still starting, before "first".
+            assert first.statistics().running and not system.statistics()[1].running
+            gate.set()
+            report = await system.wait_stopped()
+        assert report == ShutdownReport()
+        [slow] = refs
+        assert not slow.statistics().running
+        with pytest.raises(ActorStopped):
+            await slow.ask(Get)
+
+
+@pytest.mark.parametrize("anyio_backend", [virtual_time_backend()])
+async def test_an_actor_still_starting_at_the_stop_deadline_is_cancelled() -> None:
+    errors: list[BaseException] = []
+    with anyio.fail_after(60.0):
+        async with ActorSystem(stop_timeout_s=5.0) as system, anyio.create_task_group() as tg:
+
+            async def spawn_slow() -> None:
+                try:
+                    await system.spawn(SlowStart(anyio.Event()), name="slow")  # never set
+                except ActorStopped as exc:
+                    errors.append(exc)
+
+            tg.start_soon(spawn_slow)
+            await settle()
+            t0 = anyio.current_time()
+            report = await system.stop_all()
+            assert anyio.current_time() - t0 == pytest.approx(5.0)
+    assert report == ShutdownReport(timed_out=("slow",))
+    assert len(errors) == 1 and system.statistics() == ()
+
+
+@attrs.frozen(kw_only=True)
+class Submit:
+    """A tell whose answer slot is not named ``reply`` (as the transfer's ``notify``)."""
+
+    notify: Reply[int] = attrs.field(eq=False, repr=False)
+
+
+class Submitter(Actor[Submit | Block]):
+    mailbox_size = 4
+
+    async def handle(self, msg: Submit | Block) -> None:
+        match msg:
+            case Block(gate=gate, entered=entered):
+                if entered is not None:
+                    entered.set()
+                await gate.wait()
+            case Submit(notify=notify):
+                notify.set(1)
+
+
+async def test_a_queued_tells_answer_slot_of_any_name_fails_when_the_actor_stops() -> None:
+    notify: Reply[int] = Reply()
+    async with ActorSystem() as system:
+        ref = await system.spawn(Submitter(), name="submitter")
+        await block(ref, anyio.Event())  # never set
+        await ref.tell(Submit(notify=notify))
+        await ref.stop(drain=False)
+        with anyio.fail_after(5.0):  # the defect: its waiter waits forever
+            with pytest.raises(ActorStopped, match="before answering Submit"):
+                await notify.wait()
+    assert ref.statistics().messages_dropped == 0
