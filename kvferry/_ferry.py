@@ -25,6 +25,7 @@ the ``async with``; several tasks may call them at once.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
@@ -36,7 +37,7 @@ import numpy.typing as npt
 import torch
 from opentelemetry import trace
 
-from ._errors import TransferError
+from ._errors import ActorStopped, TransferError
 from ._logging import get_logger
 from .actors import ActorRef, ActorSystem, Reply
 from .cache import (
@@ -259,7 +260,11 @@ class Ferry:
         rows: npt.NDArray[np.int64],
     ) -> JobResult:
         """Submit one copy job and wait for its result: the actor answers ``notify``
-        when a watcher thread sees the job's completion end (no polling)."""
+        when a watcher thread sees the job's completion end (no polling), or fails it
+        past the job's deadline. Raises :class:`~kvferry.ActorStopped` if the actor
+        stops first, whether or not it answered (cancelled at the stop deadline, it
+        leaves ``notify`` unanswered: this wait is shielded, it must not last forever).
+        """
         job = CopyJob(
             job_id=next(self._job_ids),
             direction=direction,
@@ -272,4 +277,17 @@ class Ferry:
         # Ordered after the caller's compute stream (on CUDA), captured on this thread.
         mark = capture_compute(self._engine)
         await ref.tell(SubmitJob(job=job, compute=mark, notify=notify))
-        return await notify.wait()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_cancel_when_stopped, ref, tg.cancel_scope)
+            # The answer is read below, out of the task group (no exception group).
+            with contextlib.suppress(Exception):
+                await notify.wait()
+            tg.cancel_scope.cancel()
+        if notify.done:
+            return notify.result()
+        raise ActorStopped(f"actor {ref.name} stopped before job {job.job_id} ended")
+
+
+async def _cancel_when_stopped(ref: ActorRef[Any], scope: anyio.CancelScope) -> None:
+    await ref.wait_stopped()
+    scope.cancel()

@@ -5,13 +5,15 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import anyio
+import attrs
 import pytest
 import torch
 
-from kvferry import HostMemoryError, TransferError
+from kvferry import ActorCrashed, ActorStopped, HostMemoryError, TransferError
 from kvferry._ferry import Ferry
 from kvferry.actors._testing import assert_no_task_left, assert_no_thread_left
-from kvferry.transfer import CopyJob, HostPool, KVLayout, new_copy_engine
+from kvferry.transfer import CopyJob, HostPool, KVLayout, SubmitJob, new_copy_engine
+from kvferry.transfer._testing import ManualCompletion, ManualCopyEngine
 
 pytestmark = pytest.mark.anyio
 
@@ -184,8 +186,6 @@ async def test_a_ferry_is_used_inside_async_with() -> None:
 
 
 async def test_a_waiting_caller_is_woken_by_the_completion_not_by_polling() -> None:
-    from kvferry.transfer._testing import ManualCopyEngine
-
     engine = ManualCopyEngine()
     async with Ferry(
         kv_caches(),
@@ -238,3 +238,152 @@ async def test_failed_copies_leave_nothing_behind() -> None:
             assert actor._notify == {} and actor._ended == [] and actor.in_flight == 0
         stats = await ferry.statistics()
         assert stats.pinned == 0 and stats.loads_completed == 6
+
+
+async def test_a_copy_past_job_timeout_is_cancelled_and_the_store_fails() -> None:
+    # Nothing polls a Ferry's jobs: the deadline itself must end the wait.
+    engine = ManualCopyEngine(cancel_ends=True)  # cancellable: nothing of the job started
+    async with Ferry(
+        kv_caches(),
+        num_blocks=NUM_BLOCKS,
+        cpu_bytes_to_use=1 << 20,
+        job_timeout_s=0.01,
+        copy_engine=lambda _l, _p: engine,
+    ) as ferry:
+        outcome: list[int | BaseException] = []
+        ended = anyio.Event()
+
+        async def store() -> None:
+            try:
+                outcome.append(await ferry.store(keys(1), [1]))
+            except Exception as exc:
+                outcome.append(exc)
+            ended.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(store)
+            with anyio.move_on_after(5):
+                await ended.wait()
+            [job] = engine.submitted
+            completion = engine.completions[job.job_id]
+            cancelled = completion.cancelled
+            completion.fire()  # (only if the test failed) ends the shielded store
+        assert cancelled, "the job past its deadline was never cancelled"
+        [error] = outcome
+        assert isinstance(error, TransferError) and "past its deadline" in str(error)
+        assert await ferry.lookup(keys(1)) == 0
+        assert (await ferry.statistics()).stores_failed == 1
+
+
+@attrs.define(eq=False)
+class _EndsOnCue(ManualCopyEngine):
+    """Copies end when the test says so: those submitted so far, and every later one."""
+
+    ending: bool = False
+
+    def submit(self, job: CopyJob) -> ManualCompletion:
+        completion = super().submit(job)
+        if self.ending:
+            completion.fire()
+        return completion
+
+    def end_all(self) -> None:
+        self.ending = True
+        for completion in self.completions.values():
+            completion.fire()
+
+
+def _release_stores(ferry: Ferry, engine: ManualCopyEngine) -> None:
+    """Only when a test has failed: end the stores still waiting (shielded, they would
+    hang the test), so that the failure is reported."""
+    for completion in engine.completions.values():
+        completion.fire()
+    assert ferry._store is not None
+    cell = ferry._store._cell
+    queued = [m for m, _, _ in cell.mailbox._items] + [p.item[0] for p in cell.mailbox._parked]
+    notifies = list(cell.actor._notify.values())  # type: ignore[attr-defined]
+    notifies += [m.notify for m in queued if isinstance(m, SubmitJob) and m.notify is not None]
+    for notify in notifies:
+        notify.fail(RuntimeError("released by the test"))
+    for other in ferry.system._cells:
+        other.close(drain=False)
+
+
+async def test_many_concurrent_stores_all_end_once_their_copies_end() -> None:
+    # More than the watcher's mailbox (64) and the store actor's (1024) hold together:
+    # neither may wait for room in the other's.
+    stores = 1200
+    engine = _EndsOnCue()
+    ended: list[int | BaseException] = []
+    all_ended = anyio.Event()
+    released = False
+    try:
+        async with Ferry(
+            kv_caches(),
+            num_blocks=NUM_BLOCKS,
+            cpu_bytes_to_use=stores * 4096 * 2,
+            copy_engine=lambda _l, _p: engine,
+        ) as ferry:
+            assert ferry.num_slots >= stores
+
+            async def store(n: int) -> None:
+                try:
+                    ended.append(await ferry.store(keys(n), [n % NUM_BLOCKS]))
+                except Exception as exc:
+                    ended.append(exc)
+                if len(ended) == stores:
+                    all_ended.set()
+
+            async with anyio.create_task_group() as tg:
+                for n in range(stores):
+                    tg.start_soon(store, n)
+                await anyio.wait_all_tasks_blocked()  # both mailboxes full
+                engine.end_all()
+                with anyio.move_on_after(10):
+                    await all_ended.wait()
+                if not all_ended.is_set():
+                    released = True
+                    _release_stores(ferry, engine)
+    except ActorCrashed:
+        if not released:
+            raise
+    assert not released, f"{stores - len(ended)} of {stores} stores never returned"
+    assert ended == [1] * stores
+
+
+async def test_stores_waiting_when_the_ferry_is_left_end_with_actor_stopped() -> None:
+    stores = 80  # more than the watcher's mailbox holds
+    engine = ManualCopyEngine()  # copies that never end
+    outcomes: list[int | BaseException] = []
+    all_ended = anyio.Event()
+    released = False
+    async with anyio.create_task_group() as server:  # the server's request handlers
+        async with Ferry(
+            kv_caches(),
+            num_blocks=NUM_BLOCKS,
+            cpu_bytes_to_use=stores * 4096 * 2,
+            copy_engine=lambda _l, _p: engine,
+            stop_timeout_s=0.1,
+        ) as ferry:
+
+            async def store(n: int) -> None:
+                try:
+                    outcomes.append(await ferry.store(keys(n), [n % NUM_BLOCKS]))
+                except Exception as exc:
+                    outcomes.append(exc)
+                if len(outcomes) == stores:
+                    all_ended.set()
+
+            for n in range(stores):
+                server.start_soon(store, n)
+            await anyio.wait_all_tasks_blocked()  # every store waits for its copy
+        # Left without an ActorCrashed: the watcher's stop did not break its owner.
+        with anyio.move_on_after(5):
+            await all_ended.wait()
+        if not all_ended.is_set():
+            released = True
+            _release_stores(ferry, engine)
+        for completion in engine.completions.values():
+            completion.fire()  # lets the abandoned waiter thread end
+    assert not released, f"{stores - len(outcomes)} of {stores} stores never ended"
+    assert all(isinstance(o, ActorStopped) for o in outcomes), outcomes

@@ -9,6 +9,13 @@ a watcher actor waits for the job's completion in a worker thread
 (``Completion.synchronize``), and the job's result answers ``notify`` as soon as that
 thread returns — the caller's loop is woken, never polled.
 
+The owner and its watcher tell each other (``_Watch`` one way, ``_Swept`` back), so one
+of the two must never wait for room: the owner hands completions over with
+``tell_nowait`` and keeps what does not fit, handing it over as ``_Swept`` messages come
+back (each ``_Watch`` the watcher handles brings one). The watcher, spawned on first use
+and so stopped before its owner, may be gone while the owner drains: its jobs then end
+with the owner (``notify`` fails with :class:`~kvferry.ActorStopped`).
+
 Each actor owns its direction's in-flight jobs and their completions; nothing else
 touches them. Both actors may share one copy engine, which serves loads before stores
 and runs several jobs of each direction at once (see the engines).
@@ -30,7 +37,8 @@ error, a missed deadline, or an engine that raised while the job was collected
 
 Deadlines, honestly: a job whose copy can still write is never reported, neither done
 nor failed (a failed load's blocks are recomputed at once; a failed store's slot is
-reused at once). When a job's deadline passes (checked on every poll), the actor cancels
+reused at once). When a job's deadline passes (checked on every poll, and for a job with
+a ``notify``, which no poll reports, by a timer of the system at its deadline), the actor cancels
 what the engine has not started — on the copy threads, the pieces no thread has taken —
 and reports the job failed once what had started has finished, a few milliseconds
 later. A job already fully enqueued on a CUDA stream cannot be cancelled: it is counted
@@ -42,7 +50,9 @@ still write.
 
 from __future__ import annotations
 
+import heapq
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TypeAlias, assert_never
 
@@ -52,7 +62,7 @@ import attrs
 
 from .._errors import ActorStopped
 from .._logging import get_logger
-from ..actors import Actor, ActorRef, Reply
+from ..actors import Actor, ActorRef, Reply, Timer
 from ._completion import CompletionBridge
 from ._copy import (
     Cancellable,
@@ -176,11 +186,18 @@ class _Swept:
 
 
 @attrs.frozen(kw_only=True)
+class _DeadlineDue:
+    """From the system's timer: the earliest deadline of a job with a ``notify`` is due."""
+
+
+@attrs.frozen(kw_only=True)
 class _Watch:
     completion: Completion = attrs.field(eq=False)
 
 
-TransferMsg: TypeAlias = SubmitJob | SubmitJobs | PollFinished | FlushJobs | GetStatistics | _Swept
+TransferMsg: TypeAlias = (
+    SubmitJob | SubmitJobs | PollFinished | FlushJobs | GetStatistics | _Swept | _DeadlineDue
+)
 
 
 class _Watcher(Actor[_Watch]):
@@ -193,7 +210,11 @@ class _Watcher(Actor[_Watch]):
     async def handle(self, msg: _Watch) -> None:
         if not _has_ended(msg.completion):
             await anyio.to_thread.run_sync(msg.completion.synchronize, abandon_on_cancel=True)
-        await self.owner.tell(_Swept())
+        try:
+            # May wait for room: the owner never waits on this actor (see the module).
+            await self.owner.tell(_Swept())
+        except ActorStopped:
+            pass  # the owner is gone, and its jobs with it: nobody left to wake
 
 
 @attrs.define(eq=False)
@@ -229,6 +250,12 @@ class TransferActor(Actor[TransferMsg]):
         self._ended: list[JobResult] = []
         self._notify: dict[int, Reply[JobResult]] = {}
         self._watcher: ActorRef[_Watch] | None = None
+        self._to_watch: deque[Completion] = deque()
+        """Completions the watcher had no room for yet, in order."""
+        self._deadlines: list[tuple[float, int]] = []
+        """(deadline, job id) of the jobs with a ``notify``: a heap, stale entries included."""
+        self._deadline_timer: Timer | None = None
+        self._deadline_armed = float("inf")
         self._done = 0
         self._failed = 0
         self._bytes = 0
@@ -240,14 +267,25 @@ class TransferActor(Actor[TransferMsg]):
                 if notify is not None:
                     self._notify[job.job_id] = notify
                 self._submit((job,), compute)
-                if notify is not None and job.job_id in self._jobs:
+                flight = self._jobs.get(job.job_id)
+                if notify is not None and flight is not None:
                     await self._watch(job.job_id)
+                    if flight.deadline != float("inf"):
+                        heapq.heappush(self._deadlines, (flight.deadline, job.job_id))
+                        self._arm_deadline()
                 self._answer_notified()
             case SubmitJobs(jobs=jobs, compute=compute):
                 self._submit(jobs, compute)
             case _Swept():
                 self._collect()
+                self._hand_over()
                 self._answer_notified()
+                self._arm_deadline()
+            case _DeadlineDue():
+                self._deadline_armed = float("inf")
+                self._collect()
+                self._answer_notified()
+                self._arm_deadline()
             case PollFinished(reply=reply):
                 self._collect()
                 self._answer_notified()
@@ -264,6 +302,13 @@ class TransferActor(Actor[TransferMsg]):
         for job_id, notify in self._notify.items():
             notify.fail(ActorStopped(f"{type(self).__name__} stopped before job {job_id} ended"))
         self._notify.clear()
+        self._to_watch.clear()
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
+        if self._watcher is not None:
+            # Nothing it waits for will be answered any more (stopped alone, not by the
+            # system, its owner's end must not leave it waiting on completions).
+            await self._watcher.stop(drain=False)
 
     def _submit(self, jobs: Sequence[CopyJob], compute: object | None) -> None:
         accepted: list[CopyJob] = []
@@ -303,10 +348,56 @@ class TransferActor(Actor[TransferMsg]):
         if completion is None:
             return
         if self._watcher is None:
+            if not self.system.running:
+                return  # stopping: the job ends with this actor (see on_stop)
             self._watcher = await self.system.spawn(
                 _Watcher(self.ref), name=f"{self.ref.name}.watcher"
             )
-        await self._watcher.tell(_Watch(completion=completion))
+        self._to_watch.append(completion)
+        self._hand_over()
+
+    def _hand_over(self) -> None:
+        """Give the watcher the completions it has room for, never waiting for room: it
+        may be waiting for room in this actor's mailbox (a deadlock). What is kept goes
+        over as its ``_Swept`` messages come back: kept ones mean a full watcher mailbox,
+        and each ``_Watch`` queued there brings a ``_Swept``."""
+        watcher = self._watcher
+        queue = self._to_watch
+        while queue and watcher is not None:
+            try:
+                watcher.tell_nowait(_Watch(completion=queue[0]))
+            except anyio.WouldBlock:
+                return
+            except ActorStopped:
+                # Stopped before this actor (the system stops the last spawned first):
+                # these jobs end with this actor, failed by on_stop.
+                queue.clear()
+                return
+            queue.popleft()
+
+    def _arm_deadline(self) -> None:
+        """Keep one timer of the system armed at the earliest deadline of a job with a
+        ``notify`` (no poll checks those): it sends :class:`_DeadlineDue`."""
+        heap = self._deadlines
+        while heap:
+            deadline, job_id = heap[0]
+            flight = self._jobs.get(job_id)
+            if flight is not None and not flight.overdue and flight.deadline == deadline:
+                break
+            heapq.heappop(heap)  # ended, or already past its deadline
+        if not heap:
+            return
+        deadline = heap[0][0]
+        timer = self._deadline_timer
+        if timer is not None and timer.active and self._deadline_armed <= deadline:
+            return
+        if not self.system.running:
+            return  # stopping: the system cancels timers, and the job ends with this actor
+        if timer is not None:
+            timer.cancel()
+        self._deadline_armed = deadline
+        delay = max(0.0, deadline - self._clock())
+        self._deadline_timer = self.system.send_after(delay, self.ref, _DeadlineDue())
 
     def _answer_notified(self) -> None:
         """Hand ended jobs that someone is waiting for to their ``notify`` replies."""
@@ -404,7 +495,11 @@ class TransferActor(Actor[TransferMsg]):
                 continue
             reason = "deadline" if flight.overdue else "copy"
             self._log.error("job_failed", job_id=job_id, reason=reason, error=repr(error))
-            self._fail(flight.job, seconds, repr(error), reason)
+            text = repr(error)
+            if flight.overdue and now >= flight.deadline:
+                timeout = flight.deadline - flight.started
+                text = f"cancelled past its deadline ({timeout:g} s): {text}"
+            self._fail(flight.job, seconds, text, reason)
 
     def _check_deadlines(self) -> None:
         now = self._clock()
