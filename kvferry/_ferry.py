@@ -25,7 +25,6 @@ the ``async with``; several tasks may call them at once.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
@@ -119,6 +118,8 @@ class Ferry:
         self._copy_engine = copy_engine
         self._system = ActorSystem(stop_timeout_s=stop_timeout_s, tracer_provider=tracer_provider)
         self._job_ids = itertools.count(1)
+        self._waiting: set[Reply[JobResult]] = set()
+        """The notify replies of the stores and loads waiting (failed at exit if unanswered)."""
         self._pool: HostPool | None = None
         self._engine: CopyEngine | None = None
         self._directory: ActorRef[DirectoryMsg] | None = None
@@ -170,6 +171,11 @@ class Ferry:
                 # load returns only once its copy ended, cancelled or not), so this is
                 # quick, and it starts no worker thread that would outlive the Ferry.
                 engine.close()
+            # An actor cancelled at the stop deadline answered none of its jobs: their
+            # (shielded) waits end now, once nothing copies any more.
+            for notify in list(self._waiting):
+                if not notify.done:
+                    notify.fail(ActorStopped("the Ferry stopped before the job ended"))
             pool, self._pool = self._pool, None
             if pool is not None:
                 pool.close()
@@ -261,10 +267,9 @@ class Ferry:
     ) -> JobResult:
         """Submit one copy job and wait for its result: the actor answers ``notify``
         when a watcher thread sees the job's completion end (no polling), or fails it
-        past the job's deadline. Raises :class:`~kvferry.ActorStopped` if the actor
-        stops first, whether or not it answered (cancelled at the stop deadline, it
-        leaves ``notify`` unanswered: this wait is shielded, it must not last forever).
-        """
+        past the job's deadline; :class:`~kvferry.ActorStopped` if the actor stopped
+        first (its ``on_stop``, or, for an actor cancelled at the stop deadline, the
+        Ferry's exit: this wait is shielded, it must not last forever)."""
         job = CopyJob(
             job_id=next(self._job_ids),
             direction=direction,
@@ -277,17 +282,8 @@ class Ferry:
         # Ordered after the caller's compute stream (on CUDA), captured on this thread.
         mark = capture_compute(self._engine)
         await ref.tell(SubmitJob(job=job, compute=mark, notify=notify))
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(_cancel_when_stopped, ref, tg.cancel_scope)
-            # The answer is read below, out of the task group (no exception group).
-            with contextlib.suppress(Exception):
-                await notify.wait()
-            tg.cancel_scope.cancel()
-        if notify.done:
-            return notify.result()
-        raise ActorStopped(f"actor {ref.name} stopped before job {job.job_id} ended")
-
-
-async def _cancel_when_stopped(ref: ActorRef[Any], scope: anyio.CancelScope) -> None:
-    await ref.wait_stopped()
-    scope.cancel()
+        self._waiting.add(notify)
+        try:
+            return await notify.wait()
+        finally:
+            self._waiting.discard(notify)
