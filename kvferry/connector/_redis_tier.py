@@ -379,7 +379,11 @@ class RedisTier:
 
 
 def make_store(tier: RedisTierConfig, fingerprint: Fingerprint, **kwargs: Any) -> RedisStore:
-    """The :class:`RedisStore` of one rank for this tier's configuration."""
+    """The :class:`RedisStore` of one rank for this tier's configuration. Its pool has a
+    connection for each of the ``io_depth`` batches a worker's actor sends at once, and
+    one for the actor's own deletes: the client fails an operation beyond its pool
+    (``MaxConnectionsError``), an error the breaker counts, on a healthy server."""
+    kwargs.setdefault("max_connections", max(16, tier.io_depth + 1))
     return RedisStore(
         fingerprint=fingerprint,
         url=tier.url,

@@ -421,9 +421,10 @@ class RedisStore:
     from the first). ``tier_index`` names the configuration keys in errors
     (``tiers[i].url``, ``tiers[i].cluster``). ``ttl_s``: each chunk expires this long
     after its write (None: never; the server's ``maxmemory`` policy still evicts).
-    ``op_timeout_s`` bounds every operation (connect, pipeline, probe);
-    ``connect_timeout_s`` the first connection (:meth:`connect`). ``breaker``: the
-    circuit breaker (a default one if None). ``max_connections``: the client's pool.
+    ``op_timeout_s`` bounds every operation (connect; a pipeline, with the breaker's
+    probe before it when it asks for one); ``connect_timeout_s`` the first connection
+    (:meth:`connect`). ``breaker``: the circuit breaker (a default one if None).
+    ``max_connections``: the client's pool (an operation beyond it fails).
 
     Call :meth:`connect` once (it raises :class:`~kvferry.ConfigError` when the server
     cannot be reached or refuses the credentials), then the operations; :meth:`aclose`
@@ -693,17 +694,19 @@ class RedisStore:
     ) -> list[Any] | Outcome:
         """Run ``commands`` as one pipeline through the breaker: the replies (an
         exception per command that failed on the server), or the :class:`Outcome` of
-        every command when none got an answer."""
+        every command when none got an answer. The breaker's probe, when it asks for one,
+        comes out of the same time: the pipeline gets what the probe left of it."""
         if not commands:
             return []
         admission = self.breaker.begin()
         if admission == "reject":
             return Outcome.UNAVAILABLE
         timeout = self.op_timeout_s if timeout_s is None else min(timeout_s, self.op_timeout_s)
+        deadline = anyio.current_time() + timeout
         if admission == "probe":
             ok = False
             try:
-                ok = await self._probe(timeout)
+                ok = await self._probe(deadline)
             finally:
                 # Reported however the probe ends, a caller's cancellation too (a failed
                 # probe: another cool-down): half-open, the breaker rejects everything else.
@@ -712,7 +715,7 @@ class RedisStore:
                 return Outcome.UNAVAILABLE
             self._log.info("redis_breaker_closed")
         failure: Outcome = Outcome.TIMEOUT
-        with anyio.move_on_after(timeout):
+        with anyio.CancelScope(deadline=deadline):
             try:
                 pipe = self._client.pipeline(transaction=False)
                 for cmd in commands:
@@ -739,8 +742,8 @@ class RedisStore:
             )
         return failure
 
-    async def _probe(self, limit_s: float) -> bool:
-        with anyio.move_on_after(limit_s):
+    async def _probe(self, deadline: float) -> bool:
+        with anyio.CancelScope(deadline=deadline):
             try:
                 await self._client.ping()
                 return True

@@ -14,7 +14,9 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
+from kvferry._config import RedisTierConfig
 from kvferry.actors import ActorSystem, Reply
+from kvferry.connector._redis_tier import make_store
 from kvferry.tiers import (
     CircuitBreaker,
     DiskJobResult,
@@ -138,3 +140,27 @@ async def test_every_job_ends_within_its_deadline_when_redis_stops_answering(
     finally:
         await store.aclose()
         server.kill()
+
+
+@pytest.mark.anyio
+async def test_a_tiers_store_has_a_connection_for_every_batch_in_flight(redis_url: str) -> None:
+    """``io_depth`` batches at once on a healthy server are all answered: the store the
+    connector makes for a tier has a connection for each (a pool smaller than
+    ``io_depth`` failed the batches beyond it, as errors counted by the breaker)."""
+    io_depth = 24
+    tier = RedisTierConfig(index=0, url=redis_url, io_depth=io_depth)
+    store = make_store(tier, FP)
+    await store.connect()
+    slots = pool(io_depth)
+    try:
+        async with ActorSystem() as system:
+            ref = await system.spawn(
+                RedisIOActor(store, slots, io_depth=tier.io_depth, batch_bytes=SLOT_BYTES)
+            )
+            keys = keys_array([key(i) for i in range(io_depth)])
+            # one chunk a batch: every runner sends one at once
+            read = await ask_notify(ref, ReadChunks, job_id=1, keys=keys, slots=range(io_depth))
+            assert read.outcomes.tolist() == [Outcome.ABSENT] * io_depth
+            assert store.statistics().errors == 0
+    finally:
+        await store.aclose()
