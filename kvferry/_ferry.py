@@ -36,6 +36,7 @@ import numpy.typing as npt
 import torch
 from opentelemetry import trace
 
+from ._config import _finite
 from ._errors import ActorStopped, TransferError
 from ._logging import get_logger
 from .actors import ActorRef, ActorSystem, Reply
@@ -77,7 +78,8 @@ class Ferry:
     your own). ``cpu_bytes_to_use`` sizes the host pool, allocated on entry.
     ``block_stride_bytes`` picks the block dimension if several have ``num_blocks``
     entries. A copy past ``job_timeout_s`` is cancelled where the engine can cancel it,
-    and fails. ``copy_threads`` sizes the CPU copy engine (a whole number >= 1, else a
+    and fails (it and ``stop_timeout_s`` are finite numbers, > 0 and >= 0, else a
+    :class:`ValueError`). ``copy_threads`` sizes the CPU copy engine (a whole number >= 1, else a
     :class:`ValueError`; None: one per core, two to four); ``copy_engine(layout, pool)``
     replaces it (tests inject failures this way). ``tracer_provider`` traces every actor
     hop (``handle message`` spans).
@@ -105,6 +107,16 @@ class Ferry:
                 "copy_threads must be a whole number >= 1 (None: the default), "
                 f"got {copy_threads!r}"
             )
+        # A deadline that is not a finite number fails every job at once (<= 0), never
+        # (NaN), or crashes the copy actor on every job (a string); a stop timeout of NaN
+        # fails the exit.
+        for name, value, floor in (
+            ("job_timeout_s", job_timeout_s, "> 0"),
+            ("stop_timeout_s", stop_timeout_s, ">= 0"),
+        ):
+            number = _finite(value)
+            if number is None or (number <= 0 if floor == "> 0" else number < 0):
+                raise ValueError(f"{name} must be a finite number {floor}, got {value!r}")
         if not isinstance(kv_caches, Mapping):
             kv_caches = {f"layer.{i}": t for i, t in enumerate(kv_caches)}
         self.layout: KVLayout = describe_kv_caches(

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator
+from typing import Any
 
 import anyio
 import attrs
@@ -177,6 +179,24 @@ async def test_a_copy_thread_count_below_one_is_refused(threads: int) -> None:
     # its wait is shielded from cancellation. 0 meant "the default" unsaid: None says it.
     with pytest.raises(ValueError, match=f"copy_threads must be a whole number >= 1.*{threads}"):
         Ferry(kv_caches(), num_blocks=NUM_BLOCKS, cpu_bytes_to_use=1 << 20, copy_threads=threads)
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("job_timeout_s", 0),  # every job failed at once
+        ("job_timeout_s", -1.0),  # the store raised out of the Ferry's task group
+        ("job_timeout_s", math.nan),  # no job ever timed out
+        ("job_timeout_s", "5"),  # the copy actor crashed on every job
+        ("stop_timeout_s", math.nan),  # leaving the Ferry raised TimeoutError
+        ("stop_timeout_s", -1),
+    ],
+)
+async def test_a_timeout_that_is_not_a_finite_number_in_range_is_refused(
+    name: str, value: Any
+) -> None:
+    with pytest.raises(ValueError, match=f"{name} must be a finite number"):
+        Ferry(kv_caches(), num_blocks=NUM_BLOCKS, cpu_bytes_to_use=1 << 20, **{name: value})
 
 
 async def test_a_ferry_is_used_inside_async_with() -> None:

@@ -30,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from .._config import FerryConfig
+from .._logging import get_logger
 from ._metadata import KVFerryMetadata
 from ._report import SchedulerStatistics
 from ._scheduler import SchedulerSide
@@ -52,6 +53,31 @@ def _ours(meta: KVConnectorMetadata | None) -> KVFerryMetadata:
     if not isinstance(meta, KVFerryMetadata):
         raise TypeError(f"kvferry's worker half was given {type(meta).__name__} as metadata")
     return meta
+
+
+# vLLM's own default for ``kv_load_failure_policy``: a value other than this one was set by
+# the user, who is told when kvferry replaces it.
+_VLLM_LOAD_FAILURE_DEFAULT = "fail"
+
+
+def _set_load_failure_policy(transfer_config: Any, policy: str) -> None:
+    """Set vLLM's ``kv_load_failure_policy`` from kvferry's ``on_load_failure``, saying so.
+
+    vLLM keeps no record of which fields were given, so a value other than its default was
+    set by the user and replacing it is a warning; replacing the default is only noted.
+    """
+    before = transfer_config.kv_load_failure_policy
+    transfer_config.kv_load_failure_policy = policy
+    if before == policy:
+        return
+    log = get_logger("kvferry.connector", role="scheduler")
+    emit = log.info if before == _VLLM_LOAD_FAILURE_DEFAULT else log.warning
+    emit(
+        "kv_load_failure_policy_replaced",
+        was=before,
+        now=policy,
+        reason="kvferry sets it from kv_connector_extra_config.on_load_failure",
+    )
 
 
 class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):
@@ -86,7 +112,7 @@ class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):
             # A failed load is a cache miss: by default vLLM recomputes its blocks. The
             # scheduler reads this (a documented field of KVTransferConfig) right after
             # building its connector.
-            transfer_config.kv_load_failure_policy = cfg.on_load_failure
+            _set_load_failure_policy(transfer_config, cfg.on_load_failure)
             self._scheduler = SchedulerSide(vllm_config, kv_cache_config, cfg)
         else:
             self._worker = WorkerSide(vllm_config, kv_cache_config, cfg)

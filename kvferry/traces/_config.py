@@ -106,8 +106,15 @@ def _endpoint(proto: Protocol, url: str | None, *, signal_url: bool) -> str:
     return url
 
 
-def _from_env(environ: Mapping[str, str]) -> tuple[bool, bool, str | None, bool, Protocol | None]:
-    """(asked for OTLP, asked for console, endpoint, endpoint is per-signal, protocol)."""
+def _from_env(
+    environ: Mapping[str, str],
+) -> tuple[bool, bool, str | None, bool, tuple[str, str] | None]:
+    """(asked for OTLP, asked for console, endpoint, endpoint is per-signal, protocol).
+
+    The protocol is the variable that names it and its value, unchecked: it is checked
+    only where kvferry exports OTLP with it, so a value meant for another program of the
+    process tree (``http/json``, which this SDK lacks) cannot stop the engine.
+    """
     exporters_raw = environ.get("OTEL_TRACES_EXPORTER")
     exporters: list[str] = []
     if exporters_raw is not None:
@@ -130,10 +137,10 @@ def _from_env(environ: Mapping[str, str]) -> tuple[bool, bool, str | None, bool,
             _check_url(var, endpoint)
             signal_url = var == "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
             break
-    proto: Protocol | None = None
+    proto: tuple[str, str] | None = None
     for var in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
         if environ.get(var):
-            proto = _protocol(var, environ[var])
+            proto = (var, environ[var])
             break
     if "none" in exporters:
         return False, False, endpoint, signal_url, proto
@@ -177,8 +184,8 @@ def resolve_config(
         return None
     if use_otlp:
         endpoint = endpoint if endpoint is not None else env_endpoint
-        if proto is None:
-            proto = env_proto
+        if proto is None and env_proto is not None:
+            proto = _protocol(*env_proto)
         if proto is None:
             proto = _infer_protocol(endpoint) if endpoint else "http/protobuf"
         endpoint = _endpoint(proto, endpoint, signal_url=signal_url)

@@ -99,6 +99,39 @@ def test_good_config_builds_both_halves(make_vllm_config: Any, kv_cache_config: 
     worker.shutdown()
 
 
+@pytest.mark.parametrize(
+    ("vllm_policy", "ours", "level"),
+    [
+        ("fail", "recompute", "INFO"),  # vLLM's default replaced: noted
+        ("recompute", "fail", "WARNING"),  # the user's own value replaced: warned
+        ("fail", "fail", None),  # nothing replaced: nothing said
+    ],
+)
+def test_replacing_vllms_load_failure_policy_is_said(
+    make_vllm_config: Any,
+    kv_cache_config: Any,
+    caplog: pytest.LogCaptureFixture,
+    vllm_policy: str,
+    ours: str,
+    level: str | None,
+) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvferry.connector import KVFerryConnector
+
+    config = make_vllm_config({"cpu_bytes_to_use": 10**7, "on_load_failure": ours})
+    config.kv_transfer_config.kv_load_failure_policy = vllm_policy
+    caplog.set_level("INFO", logger="kvferry.connector")
+    scheduler = KVFerryConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config)
+    scheduler.shutdown()
+    assert config.kv_transfer_config.kv_load_failure_policy == ours
+    said = [r for r in caplog.records if "kv_load_failure_policy_replaced" in r.getMessage()]
+    assert [r.levelname for r in said] == ([level] if level else [])
+    if level:
+        message = said[0].getMessage()
+        assert f"was='{vllm_policy}'" in message and f"now='{ours}'" in message
+
+
 def test_cpu_bytes_is_checked_against_available_memory() -> None:
     too_much = available_host_bytes() * 2
     with pytest.raises(ConfigError, match="cpu_bytes_to_use"):

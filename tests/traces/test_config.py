@@ -163,6 +163,25 @@ def test_bad_config_raises_value_error_naming_the_key(
         setup(config, environ=env)
 
 
+@pytest.mark.parametrize(
+    "config",
+    [
+        None,  # tracing off: no exporter asked for
+        {"file": "t.json"},  # a file, no OTLP
+        {"otlp": "grpc"},  # OTLP, its protocol named by the config
+    ],
+)
+def test_a_protocol_variable_kvferry_does_not_use_is_not_checked(config: Any) -> None:
+    # Meant for another program of the process tree: the Python SDK has no http/json.
+    env = {"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"}
+    resolved = resolve_config(config, environ=env)
+    if config is None:
+        assert resolved is None
+    else:
+        assert resolved is not None
+        assert resolved.otlp_protocol == (config.get("otlp") and "grpc")
+
+
 def test_setup_returns_a_provider_and_leaves_the_global_one_alone(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Any
 ) -> None:
