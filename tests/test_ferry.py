@@ -407,3 +407,53 @@ async def test_stores_waiting_when_the_ferry_is_left_end_with_actor_stopped() ->
             completion.fire()  # lets the abandoned waiter thread end
     assert not released, f"{stores - len(outcomes)} of {stores} stores never ended"
     assert all(isinstance(o, ActorStopped) for o in outcomes), outcomes
+
+
+class _SaysWhenLoading(ManualCopyEngine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.loading = anyio.Event()
+
+    def submit(self, job: CopyJob) -> ManualCompletion:
+        completion = super().submit(job)
+        if job.direction == "load":
+            self.loading.set()  # on the loop's thread: the load actor's
+        return completion
+
+
+async def test_a_load_in_flight_when_the_ferry_is_left_ends_with_its_copy() -> None:
+    """A graceful exit lets the copies of the stores and loads waited on end: a load
+    returns (or raises) only once its copy no longer writes the caller's blocks."""
+    engine = _SaysWhenLoading()
+    outcome: list[object] = []
+    async with anyio.create_task_group() as server:  # the server's request handlers
+        async with Ferry(
+            kv_caches(),
+            num_blocks=NUM_BLOCKS,
+            cpu_bytes_to_use=1 << 20,
+            copy_engine=lambda _l, _p: engine,
+        ) as ferry:
+
+            async def store_then_load() -> None:
+                await ferry.store(keys(1), [1])
+                try:
+                    await ferry.load(keys(1), [2])
+                    outcome.append("loaded")
+                except Exception as exc:
+                    outcome.append(exc)
+
+            server.start_soon(store_then_load)
+            await anyio.wait_all_tasks_blocked()
+            [store] = engine.submitted
+            engine.completions[store.job_id].fire()
+            await engine.loading.wait()
+            [_, load] = engine.submitted
+
+            async def watch_the_exit() -> None:
+                await anyio.wait_all_tasks_blocked()  # the Ferry is stopping, the copy runs
+                outcome.append("copy ended")
+                engine.completions[load.job_id].fire()
+
+            server.start_soon(watch_the_exit)
+        # Left while the load's copy still writes block 2.
+    assert outcome == ["copy ended", "loaded"]

@@ -238,7 +238,9 @@ class Actor(Generic[M]):
     async def on_stop(self) -> None:
         """Called in the actor's task after its last message (graceful stop or escalation).
 
-        Not called when the actor is cancelled (``stop(drain=False)``, shutdown deadline).
+        Once per instance, and only for one whose :meth:`on_start` returned; a factory
+        restart calls it on the old instance before making the new one. Not called when
+        the actor is cancelled (``stop(drain=False)``, shutdown deadline).
         """
 
     async def on_restart(self, error: BaseException) -> None:
@@ -338,12 +340,17 @@ class ActorRef(Generic[M]):
             raise self._stopped() from self._cell.error
         return True
 
-    async def _post(self, envelope: Envelope[M], reply: Reply[Any] | None) -> None:
+    async def _post(
+        self,
+        envelope: Envelope[M],
+        reply: Reply[Any] | None,
+        taken: Callable[[], object] | None = None,
+    ) -> None:
         # No checkpoint when there is room: the ask suspends on its reply right after,
-        # which saves one loop iteration per ask.
+        # which saves one loop iteration per ask. ``taken``: see ``Mailbox.send``.
         try:
             if not self._offer(envelope):
-                await self._cell.mailbox.send(envelope)
+                await self._cell.mailbox.send(envelope, taken=taken)
         except _STOPPED:
             raise self._stopped() from self._cell.error
         except BaseException:

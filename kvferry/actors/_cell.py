@@ -103,6 +103,8 @@ class _Cell(Generic[M]):
         """The error this actor was escalated with."""
         self.scope: anyio.CancelScope | None = None
         self._kill = False
+        self._started = False
+        """The current instance's ``on_start`` returned and its ``on_stop`` has not run."""
         self._current: Reply[Any] | None = None
         self._restart_times: deque[float] = deque()
         self._tracer = tracer
@@ -139,6 +141,7 @@ class _Cell(Generic[M]):
                 if self._kill:
                     self.scope.cancel()
                 await self.actor.on_start()
+                self._started = True
                 self.running = True
                 task_status.started()
                 await self._loop()
@@ -295,6 +298,7 @@ class _Cell(Generic[M]):
         actor._cell = self
         self.actor = actor
         await actor.on_start()
+        self._started = True
 
     def _escalate(self, exc: BaseException) -> None:
         self.error = exc
@@ -302,6 +306,12 @@ class _Cell(Generic[M]):
         self.system._escalated(self, exc)
 
     async def _on_stop(self) -> None:
+        """The current instance's ``on_stop``: once, and only if its ``on_start`` returned
+        (a factory restart that failed leaves an instance already stopped, or never
+        started, in place)."""
+        if not self._started:
+            return
+        self._started = False
         try:
             await self.actor.on_stop()
         except Exception as exc:

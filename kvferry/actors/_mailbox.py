@@ -18,6 +18,7 @@ actor's task alone. Nothing here may be touched from another thread.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import Generic, TypeVar
 
 import anyio
@@ -75,12 +76,14 @@ class Mailbox(Generic[T]):
         self._items.append(item)
         self._ready.release()
 
-    async def send(self, item: T) -> None:
+    async def send(self, item: T, *, taken: Callable[[], object] | None = None) -> None:
         """Queue ``item``, waiting for room. Always a checkpoint, full or not (trio's rule),
         so a sender in a loop cannot starve the loop.
 
         A send cancelled while parked is withdrawn, unless the receiver had already moved
-        its item into the queue (as with anyio's streams): then it is delivered all the same.
+        its item into the queue (as with anyio's streams): then it is delivered all the
+        same, and the cancellation still propagates; ``taken`` is called first, so that
+        whoever waits on the sender learns that the item got in.
         """
         if self.closed:
             raise anyio.ClosedResourceError
@@ -96,7 +99,10 @@ class Mailbox(Generic[T]):
         try:
             await parked.event.wait()
         except BaseException:
-            if not (parked.moved or parked.refused):
+            if parked.moved:
+                if taken is not None:
+                    taken()
+            elif not parked.refused:
                 self._parked.remove(parked)
             raise
         if parked.refused:

@@ -175,15 +175,19 @@ class _Deliver:
 async def send_waiting(item: _Deliver) -> None:
     """Wait for room for a :class:`_Deliver` that found the mailbox full, in a task of
     its own (:func:`serve_deliveries`). Withdrawn (:meth:`_Deliver.withdraw`) or
-    cancelled, it leaves the mailbox's queue of waiting senders (unless the actor had
-    already taken it in) and its caller, if still waiting, gets
-    :class:`~kvferry.ActorStopped`."""
+    cancelled, it leaves the mailbox's queue of waiting senders and its caller, if still
+    waiting, gets :class:`~kvferry.ActorStopped`; unless the actor had already taken it
+    in: then a tell is delivered (its caller hears so; the actor handles it), and an
+    ask is withdrawn all the same (abandoned: the actor drops it), unless answered."""
     with anyio.CancelScope() as scope:
         item.scope = scope
         if item.withdrawn or (item.reply is not None and item.reply._abandoned):
             scope.cancel()
+        # A tell's call ends delivered the moment the actor takes it in, even as the
+        # wait is cancelled: the ActorStopped below is then ignored (a call ends once).
+        taken = item.call.finish if item.call is not None else None
         try:
-            await item.ref._post(item.envelope, item.reply)
+            await item.ref._post(item.envelope, item.reply, taken)
         except Exception as exc:
             item.fail(exc)
             return

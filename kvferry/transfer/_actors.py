@@ -13,8 +13,11 @@ The owner and its watcher tell each other (``_Watch`` one way, ``_Swept`` back),
 of the two must never wait for room: the owner hands completions over with
 ``tell_nowait`` and keeps what does not fit, handing it over as ``_Swept`` messages come
 back (each ``_Watch`` the watcher handles brings one). The watcher, spawned on first use
-and so stopped before its owner, may be gone while the owner drains: its jobs then end
-with the owner (``notify`` fails with :class:`~kvferry.ActorStopped`).
+and so stopped before its owner, may be gone while the owner drains: the owner's
+``on_stop`` then waits for those jobs' copies itself (each until its deadline, then
+cancelled), and answers their ``notify``; only a job that outlives the system's stop
+deadline is never answered by the actor (the :class:`~kvferry.Ferry` fails its wait with
+:class:`~kvferry.ActorStopped` once its copy engine closed).
 
 Each actor owns its direction's in-flight jobs and their completions; nothing else
 touches them. Both actors may share one copy engine, which serves loads before stores
@@ -299,6 +302,7 @@ class TransferActor(Actor[TransferMsg]):
                 assert_never(msg)
 
     async def on_stop(self) -> None:
+        await self._end_notified()
         for job_id, notify in self._notify.items():
             notify.fail(ActorStopped(f"{type(self).__name__} stopped before job {job_id} ended"))
         self._notify.clear()
@@ -309,6 +313,25 @@ class TransferActor(Actor[TransferMsg]):
             # Nothing it waits for will be answered any more (stopped alone, not by the
             # system, its owner's end must not leave it waiting on completions).
             await self._watcher.stop(drain=False)
+
+    async def _end_notified(self) -> None:
+        """A graceful stop: the jobs someone waits on (a Ferry's store or load) end with
+        their copies, not before. Failed while its copy still ran, a load would return to
+        a caller whose blocks are still being written. Each is waited for until its
+        deadline, then cancelled as a poll would, and what had started is waited for;
+        the system's stop deadline bounds it all (the actor is then cancelled, and the
+        Ferry fails those waits once its copy engine closed)."""
+        for job_id in list(self._notify):
+            flight = self._jobs.get(job_id)
+            if flight is None:
+                continue
+            with anyio.move_on_after(max(0.0, flight.deadline - self._clock())):
+                await self.bridge.wait(job_id)
+            self._collect()  # cancels it if past its deadline
+            if job_id in self._jobs:
+                await self.bridge.wait(job_id)
+                self._collect()
+        self._answer_notified()
 
     def _submit(self, jobs: Sequence[CopyJob], compute: object | None) -> None:
         accepted: list[CopyJob] = []
@@ -350,9 +373,12 @@ class TransferActor(Actor[TransferMsg]):
         if self._watcher is None:
             if not self.system.running:
                 return  # stopping: the job ends with this actor (see on_stop)
-            self._watcher = await self.system.spawn(
-                _Watcher(self.ref), name=f"{self.ref.name}.watcher"
-            )
+            # A name of its own per instance: a factory-made actor restarted by its
+            # supervisor starts a new watcher, and the old one's name stays taken.
+            owner = self.ref
+            restarts = owner.statistics().restarts
+            name = f"{owner.name}.watcher" + (f".{restarts}" if restarts else "")
+            self._watcher = await self.system.spawn(_Watcher(owner), name=name)
         self._to_watch.append(completion)
         self._hand_over()
 

@@ -397,3 +397,76 @@ def test_close_fails_a_tell_still_waiting_for_room() -> None:
     thread.join(5.0)
     assert report == ShutdownReport(timed_out=("counter",))
     assert len(outcome) == 1 and isinstance(outcome[0], ActorStopped)
+
+
+class _SeesQueued(ThreadRuntime):
+    """A thread runtime that says when a call of ``_set``, and when ``close``'s marker,
+    has been queued for its loop."""
+
+    def __init__(self, *, stop_timeout_s: float) -> None:
+        super().__init__(stop_timeout_s=stop_timeout_s)
+        self.set_queued = threading.Event()
+        self.close_queued = threading.Event()
+
+    def _post(self, item: object) -> None:
+        super()._post(item)  # type: ignore[arg-type]
+        if item is None:
+            self.close_queued.set()
+        elif getattr(item, "fn", None) is _set:
+            self.set_queued.set()
+
+
+def test_a_tell_the_actor_takes_in_as_the_runtime_closes_is_delivered() -> None:
+    """A tell waiting for room is let in by its actor on the very loop turn that cancels
+    the deliveries still waiting (close): it is handled, so its caller must not hear
+    ActorStopped ("not delivered")."""
+    actor = Counter()  # a mailbox of 2
+
+    async def setup(system: ActorSystem) -> ActorRef[Msg]:
+        return await system.spawn(actor, name="counter")
+
+    runtime = _SeesQueued(stop_timeout_s=5.0)  # asyncio: the loop's order is deterministic
+    ref = runtime.start(setup)
+    gate = runtime.call(_make_event)
+    runtime.tell(ref, Block(gate=gate))
+    runtime.tell(ref, Add(n=1))
+    runtime.tell(ref, Add(n=2))  # queued behind the Block: the mailbox is full
+    outcome: list[BaseException | None] = []
+
+    def teller() -> None:
+        try:
+            runtime.tell(ref, Add(n=4))  # waits for room, in a delivery task
+        except ActorStopped as exc:
+            outcome.append(exc)
+        else:
+            outcome.append(None)
+
+    thread = threading.Thread(target=teller, daemon=True)
+    thread.start()
+
+    async def wait_parked() -> None:
+        while not ref.statistics().senders_waiting:
+            await anyio.wait_all_tasks_blocked()
+
+    _bounded(lambda: runtime.call(wait_parked))
+    holding = threading.Event()
+
+    async def hold_the_loop() -> None:
+        """Blocks the loop thread until the gate's call and then the close marker are
+        queued, so that the call server takes both on one turn: it sets the gate (the
+        actor is woken first), then cancels the deliveries still waiting."""
+        holding.set()
+        assert runtime.close_queued.wait(5.0)
+
+    holder = threading.Thread(target=lambda: runtime.call(hold_the_loop), daemon=True)
+    holder.start()
+    assert holding.wait(5.0)
+    opener = threading.Thread(target=lambda: runtime.call(_set, gate), daemon=True)
+    opener.start()
+    assert runtime.set_queued.wait(5.0)
+    report = _bounded(runtime.close)
+    for t in (thread, holder, opener):
+        t.join(5.0)
+    assert report == ShutdownReport()
+    assert actor.seen == [1, 2, 4]  # handled, while the system drained
+    assert outcome == [None]

@@ -62,6 +62,46 @@ async def test_a_factory_actor_restarts_from_fresh_state() -> None:
         assert len(instances) == 2 and instances[0].value == 5
 
 
+class Stops(Counter):
+    """A counter that records each ``on_stop`` call."""
+
+    def __init__(self, stopped: list[Counter]) -> None:
+        super().__init__()
+        self.stopped = stopped
+
+    async def on_stop(self) -> None:
+        self.stopped.append(self)
+
+
+class StartFails(Stops):
+    async def on_start(self) -> None:
+        raise OSError("no fresh state")
+
+
+@pytest.mark.parametrize("fails", ["factory", "on_start"])
+async def test_a_factory_restart_that_fails_escalates_and_stops_the_old_instance_once(
+    fails: str,
+) -> None:
+    stopped: list[Counter] = []
+    made: list[Counter] = []
+
+    def make() -> Counter:
+        if made and fails == "factory":
+            raise OSError("no fresh state")
+        made.append(Stops(stopped) if not made else StartFails(stopped))
+        return made[-1]
+
+    with pytest.raises(ActorCrashed) as info:
+        async with ActorSystem() as system:
+            ref = await system.spawn(make, name="fresh")
+            await ref.tell(Boom())  # the restart fails: escalated
+            await ref.wait_stopped()
+    assert isinstance(info.value.__cause__, OSError)
+    # The first instance was stopped once, by the restart; a second that never started
+    # (as at spawn, an on_start that raised) is not stopped at all.
+    assert stopped == [made[0]]
+
+
 @pytest.mark.parametrize("anyio_backend", [virtual_time_backend()])
 async def test_a_crash_looping_actor_escalates_after_its_budget() -> None:
     with pytest.raises(ActorCrashed, match="crashy"):

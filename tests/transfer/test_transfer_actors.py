@@ -13,8 +13,8 @@ import numpy.typing as npt
 import pytest
 import torch
 
-from kvferry.actors import ActorSystem
-from kvferry.testing import FakeCopyEngine, FakeCudaEvent
+from kvferry.actors import ActorSystem, Reply
+from kvferry.testing import FakeCopyEngine, FakeCudaEvent, Faulty
 from kvferry.transfer import (
     CompletionBridge,
     CopyJob,
@@ -30,7 +30,9 @@ from kvferry.transfer import (
     PollFinished,
     StoreActor,
     SubmitJob,
+    SubmitJobs,
     ThreadCopyEngine,
+    TransferMsg,
     describe_kv_caches,
 )
 from kvferry.transfer._kernel import batch_kernel
@@ -298,6 +300,35 @@ async def test_a_flush_cancels_a_job_that_outlives_its_timeout_and_the_job_ends_
         [result] = await store.ask(PollFinished)
         assert isinstance(result, JobFailed) and result.job_id == 1
         assert result.reason == "deadline"
+
+
+@pytest.mark.anyio
+async def test_a_factory_made_actor_restarted_by_its_supervisor_watches_its_jobs_again() -> None:
+    engine = ManualCopyEngine()
+
+    def make() -> Faulty[TransferMsg]:  # a batch makes each fresh instance fail once
+        return Faulty(StoreActor(engine), when=lambda m: isinstance(m, SubmitJobs))
+
+    async with ActorSystem() as system:
+        store = await system.spawn(make, name="store")
+        first: Reply[JobResult] = Reply()
+        await store.tell(SubmitJob(job=job(1), notify=first))  # starts the watcher
+        await store.tell(SubmitJobs(jobs=()))  # fails: restarted from a fresh instance
+        engine.completions[1].fire()  # the first instance's on_stop waits for this copy
+        with anyio.fail_after(5.0):
+            ended = await first.wait()  # answered by the first instance, its copy ended
+        assert (ended.job_id, ended.ok) == (1, True)
+        second: Reply[JobResult] = Reply()
+        await store.tell(SubmitJob(job=job(2), notify=second))  # needs a watcher again
+        try:
+            with anyio.fail_after(5.0):
+                await store.ask(GetStatistics)  # submitted
+        finally:
+            engine.completions[2].fire()  # a failure must not leave on_stop waiting
+        with anyio.fail_after(5.0):
+            result = await second.wait()
+        assert (result.job_id, result.ok) == (2, True)
+        assert store.statistics().restarts == 1
 
 
 def _small_kv() -> tuple[dict[str, torch.Tensor], HostPool, KVLayout]:
