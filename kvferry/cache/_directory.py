@@ -3,11 +3,12 @@
 A slot is FREE, STORING (a store was prepared and has not completed: never a lookup hit,
 never evicted) or READY (readable); a READY slot may be pinned by loads and lookups' leases
 (a count). After a reset, slots still in flight are *dropped*: invisible at once, freed
-when their store completes or their last load ends. With ``write_back`` (a lower tier
-written on eviction), an evicted slot is DEMOTING instead of FREE: no longer a hit, its
-key still present (not stored again meanwhile), its bytes kept until the caller, who
-took it with :meth:`Directory.take_demotions` and wrote it down (or chose not to), ends
-it with :meth:`Directory.end_demotions`. The invariants the tests hold
+when their store completes (completed with a ``pin``: at that pin's unpin) or their last
+load ends. With ``write_back`` (a lower tier written on eviction), an evicted slot is
+DEMOTING instead of FREE: no longer a hit, its key still present (not stored again
+meanwhile), its bytes kept until the caller, who took it with
+:meth:`Directory.take_demotions` and wrote it down (or chose not to), ends it with
+:meth:`Directory.end_demotions`. The invariants the tests hold
 (docs/architecture.md, "Invariants and where they are held"):
 
 1. a lookup hit is only a key whose store completed with ``ok``;
@@ -489,14 +490,22 @@ class Directory:
 
     def load_leased(self, slots: I64) -> None:
         """A load of slots a lookup leased (pinned): their pins become the load's, released
-        by :meth:`complete_load`. A load is a reuse: the policy counts it."""
+        by :meth:`complete_load`. A load is a reuse: the policy counts it, of the READY
+        slots only (not those a reset dropped since the lease)."""
         st, pins = self._st, self._pn
+        n = len(slots)
         held = [s for s in slots.tolist() if 0 <= s < self.num_slots and pins[s] > 0]
-        if len(held) < len(slots) or any(st[s] not in (READY, READY_DROPPED) for s in held):
-            # Not a lease (a bug elsewhere): the load still holds only pinned slots.
-            self._broken("load_of_slots_not_leased", "counted", slots=slots.tolist())
+        if len(held) < n or any(st[s] != READY for s in held):
+            if len(held) < n or any(st[s] not in (READY, READY_DROPPED) for s in held):
+                # Not a lease (a bug elsewhere): the load still holds only pinned slots.
+                self._broken("load_of_slots_not_leased", "counted", slots=slots.tolist())
+            # The policy's reuse is of its own slots only: one a reset dropped is freed
+            # when the load ends and taken by another key, which a reuse recorded now
+            # would be credited to (the policies replay their records at their next
+            # decision); one out of range would make that decision raise.
+            slots = np.array([s for s in held if st[s] == READY], np.int64)
         self.policy.reuse(slots)
-        self.loads_prepared += len(slots)
+        self.loads_prepared += n
 
     def complete_load(self, slots: npt.ArrayLike, handed: npt.ArrayLike = ()) -> None:
         """Unpin the slots of a finished (or failed) load; ``handed``: the load's slots
@@ -676,7 +685,9 @@ class Directory:
 
         ``pin``: of the READY ones, slots pinned at once (one pin each, released by
         :meth:`unpin`): a copy still reads them (a write down to a lower tier), and no
-        eviction may come between their completion and the pin.
+        eviction may come between their completion and the pin. A store a reset dropped
+        is never READY; named in ``pin`` (with ``ok``), its slot is pinned all the same
+        and freed at the last unpin, not before: no other store takes it meanwhile.
         """
         arr = np.asarray(slots, np.int64)
         if not len(arr):
@@ -715,7 +726,18 @@ class Directory:
                     slots=arr[~(live | dropped)].tolist(),
                     ok=ok,
                 )
-            self._release(arr[dropped])  # stores a reset dropped: freed, never visible
+            gone = arr[dropped]  # stores a reset dropped: never visible, freed now...
+            pinned = np.asarray(pin, np.int64)
+            if ok and len(pinned) and len(gone):
+                # ...unless a copy still reads them (``pin``): kept, pinned, until its last
+                # unpin frees them, as a load's (another store must not take them first).
+                read = np.isin(gone, pinned)
+                if read.any():
+                    kept = gone[read]
+                    self._state[kept] = READY_DROPPED
+                    np.add.at(self._pins, pinned[np.isin(pinned, kept)], 1)
+                    gone = gone[~read]
+            self._release(gone)
             arr = arr[live]
         if ok:
             self._stuck = False
@@ -763,7 +785,8 @@ class Directory:
     def restore(self, keys: Sequence[Key]) -> int:
         """Enter ``keys`` as READY without a store (a lower tier's files found at start):
         no admission, no events (nothing new was stored); up to the free slots, in order.
-        Returns how many were entered; the rest are the caller's to drop."""
+        They are evictable at once (an eviction that found nothing goes on). Returns how
+        many were entered; the rest are the caller's to drop."""
         distinct = list(dict.fromkeys(keys))
         found = self._index.find(distinct)
         new = [k for k, s in zip(distinct, found, strict=True) if s < 0]
@@ -780,6 +803,7 @@ class Directory:
         if tags is not None:
             self._tag[slots] = tags
         self.policy.admit(slots, tags if tags is not None else _NO_TAGS)
+        self._stuck = False  # evictable blocks: the evictor's eviction goes on
         return m
 
     def discard(self, keys: Sequence[Key]) -> list[Key]:
@@ -877,7 +901,9 @@ class Directory:
             )
             victims = victims[ok & once][:n]
             m = len(victims)
-        self._stuck = m < n
+        # Nothing (more) evictable until a block becomes so; not where what this store
+        # protects may be all there is: evictable again once it returns.
+        self._stuck = m < n and protect is None
         if not m:
             return 0
         if self._events is not None:

@@ -14,6 +14,8 @@ from kvferry.cache import (
 )
 from kvferry.cache._testing import key as k
 
+from ._compiled import both
+
 
 def store(d: Directory, *keys: bytes) -> np.ndarray:
     slots = d.prepare_store(list(keys))
@@ -121,6 +123,80 @@ def test_a_store_a_reset_dropped_naming_a_slot_twice_frees_it_once(
     assert d.invariant_errors == 1
     new = d.prepare_store([k(3), k(4), k(5), k(6)])
     assert sorted(new[:3].tolist()) == [0, 1, 2] and new[3] == -1
+
+
+@both
+def test_a_store_a_reset_dropped_completed_with_a_pin_keeps_its_slot_until_the_unpin(
+    compiled: bool,
+) -> None:
+    """``complete_store(..., pin=...)``: a copy still reads the slots (a write down to a
+    lower tier; the connector's chunks read from Redis and kept on disk are a load's, which
+    a reset does not mark stale). A store a reset dropped is never a hit, but its slot is
+    not freed before that pin's unpin: handed to another store meanwhile, the write would
+    read the new key's bytes, and its unpin would take the new key's pin (ABA)."""
+    d = Directory(2, watermarks=(1.0, 1.0), compiled=compiled)
+    old = d.prepare_store([k(1)])
+    d.reset()
+    d.complete_store(old, ok=True, pin=old)
+    assert d.lookup([k(1)]) == 0
+    new = d.prepare_store([k(2), k(3)])
+    assert int(old[0]) not in new.tolist()  # still read: not handed out again
+    assert d.used == 2 and d.statistics().pinned == 1
+    d.complete_store(new[new >= 0], ok=True)
+    leased = d.lookup_and_lease([k(2)])
+    assert len(leased) == 1
+    assert d.unpin(old) == 1  # the write ended: the slot is freed now, never a hit
+    assert d.used == 1 and d.lookup([k(1)]) == 0
+    # k(2)'s lease still holds: a store that needs room finds nothing evictable.
+    assert d.prepare_store([k(3), k(4)])[1] == -1
+    assert d.lookup([k(2)]) == 1 and d.statistics().pinned == 1
+    assert d.invariant_errors == 0
+
+
+@both
+@pytest.mark.parametrize("write_back", [False, True])
+def test_restored_blocks_are_evicted_after_an_eviction_that_found_nothing(
+    compiled: bool, write_back: bool
+) -> None:
+    """An eviction that finds nothing evictable stops the evictor's (``room_short`` 0)
+    until a block becomes evictable: a restore's blocks are (READY, unpinned). Written
+    back, a store then finds no free slot: skipped as full (its inline eviction only
+    demotes), while restored blocks could have been evicted ahead of it."""
+    d = Directory(10, watermarks=(0.5, 0.9), write_back=write_back, compiled=compiled)
+    storing = d.prepare_store([k(i) for i in range(10)])
+    assert d.evict() == 0  # above the high watermark, and nothing evictable
+    d.complete_store(storing[:5], ok=False)
+    assert d.restore([k(100 + i) for i in range(5)]) == 5
+    assert d.used == 10 and d.room_short() == 5
+    assert d.evict() == 5  # the restored blocks, down to the low watermark
+    if write_back:
+        slots, _ = d.take_demotions()
+        d.end_demotions(slots)
+    assert d.prepare_store([k(200)])[0] >= 0
+    assert d.stores_skipped_full == 0
+
+
+@both
+@pytest.mark.parametrize("write_back", [False, True])
+def test_a_store_whose_own_keys_are_all_that_is_evictable_does_not_stop_the_evictor(
+    compiled: bool, write_back: bool
+) -> None:
+    """A store's present keys are not evicted by that store (pinned for the call): its
+    inline eviction may find nothing, but they are evictable as soon as it returns. The
+    evictor's eviction must not stop as if nothing were (``room_short`` 0 until a block
+    becomes evictable): written back, the next store would find no free slot again."""
+    d = Directory(10, watermarks=(0.5, 0.9), write_back=write_back, compiled=compiled)
+    for i in range(10):
+        store(d, k(i))
+    out = d.prepare_store([k(i) for i in range(10)] + [k(50)])
+    assert out[-1] == -1  # full: every block is one of the store's own
+    assert d.room_short() == 5
+    assert d.evict() == 5
+    if write_back:
+        slots, _ = d.take_demotions()
+        d.end_demotions(slots)
+    assert d.prepare_store([k(60)])[0] >= 0
+    assert d.stores_skipped_full == 1
 
 
 def test_present_and_repeated_keys_are_skipped() -> None:

@@ -9,8 +9,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvferry.cache import Directory, LRUPolicy
+from kvferry.cache import BlocksRemoved, Directory, LRUPolicy
 from kvferry.cache._testing import key as k
+
+from ._compiled import both
 
 
 def ready(d: Directory, *keys: bytes) -> np.ndarray:
@@ -51,6 +53,28 @@ def test_a_load_of_slots_no_lookup_leased_is_reported(caplog: pytest.LogCaptureF
     assert d.invariant_errors == 1
     assert "load_of_slots_not_leased" in caplog.text
     assert d.statistics().pinned == 1  # nothing pinned by the bad call
+
+
+@both
+@pytest.mark.parametrize("policy", ["lru", "arc", "s3fifo"])
+@pytest.mark.parametrize("bad", [99, -1])
+def test_a_load_of_slots_no_lookup_leased_is_no_reuse_for_the_policy(
+    policy: str, bad: int, compiled: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The slots a bad ``load_leased`` names are left alone, the policy's order too: a
+    slot out of range would make the policy's next decision raise (an IndexError out of
+    a later store), and slot -1 would count a reuse of the last slot."""
+    d = Directory(4, policy=policy, watermarks=(1.0, 1.0), events=True, compiled=compiled)
+    for i in range(4):
+        ready(d, k(i))
+    d.load_leased(np.array([bad], np.int64))
+    assert d.invariant_errors == 1
+    assert "load_of_slots_not_leased" in caplog.text
+    d.take_events()
+    assert ready(d, k(9))[0] >= 0  # full: the oldest block, never reused, goes
+    removed = [key for e in d.take_events() if isinstance(e, BlocksRemoved) for key in e.keys]
+    assert removed == [k(0)]
+    assert d.statistics().policy_stats.get("promotions", 0) == 0
 
 
 class _Greedy(LRUPolicy):

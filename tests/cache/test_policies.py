@@ -13,6 +13,8 @@ from kvferry.cache import ARCPolicy, BlocksRemoved, Directory, LRUPolicy, S3FIFO
 from kvferry.cache._recency import RecencyLists
 from kvferry.cache._testing import key as k
 
+from ._compiled import both
+
 
 def store(d: Directory, keys: list[bytes]) -> None:
     slots = d.prepare_store(keys)
@@ -74,6 +76,35 @@ def test_s3fifo_promotes_a_block_reused_while_small() -> None:
     store(d, [k(10)])
     assert d.lookup([k(0)]) == 1 and d.lookup([k(1)]) == 0
     assert d.statistics().policy_stats["promotions"] == 1
+
+
+@both
+@pytest.mark.parametrize("policy", ["arc", "s3fifo"])
+def test_a_load_of_leased_slots_a_reset_dropped_is_no_reuse_of_their_next_key(
+    policy: str, compiled: bool
+) -> None:
+    """A lookup's lease, a reset, then the load of the leased slots: they are no longer
+    the policy's, and are freed when the load ends, then taken by another key. A reuse
+    recorded for them is replayed after that key's admission (the policies replay their
+    records at the next decision) and credited to it: a cold key promoted (to S3-FIFO's M,
+    to ARC's T2), and a block stored after it evicted in its place."""
+    d = Directory(4, policy=policy, watermarks=(1.0, 1.0), events=True, compiled=compiled)
+    store(d, [k(1)])
+    leased = d.lookup_and_lease([k(1)])
+    d.reset()
+    d.load_leased(leased)
+    d.complete_load(leased)
+    cold = d.prepare_store([k(10)])
+    assert cold.tolist() == leased.tolist()  # the dropped slot, another key's now
+    d.complete_store(cold, ok=True)
+    for i in (11, 12, 13):
+        store(d, [k(i)])
+    d.take_events()
+    store(d, [k(14)])  # full: the oldest block stored, never reused, goes
+    removed = [key for e in d.take_events() if isinstance(e, BlocksRemoved) for key in e.keys]
+    assert removed == [k(10)]
+    assert d.statistics().policy_stats["promotions"] == 0
+    assert d.invariant_errors == 0
 
 
 def test_a_policy_never_offers_a_pinned_block() -> None:
