@@ -297,8 +297,10 @@ def reset_engine_cache(llm: Any, *, connector: bool = False, timeout_s: float = 
 
 
 def disk_chunk_files(path: str | Path) -> dict[str, set[Path]]:
-    """The chunk files (``*.kvc``) of the disk tier at ``path``, by fingerprint
-    namespace (the directory's hex name)."""
+    """The chunk files (``*.kvc``) of the disk tier at ``path``, by namespace (the
+    directory's name: the fingerprint's digest in hex, ``<digest>``, or a sibling of it,
+    ``<digest>.1``, ``<digest>.2``, ... taken by another engine of that fingerprint that
+    ran on ``path`` at the same time)."""
     from .tiers import FORMAT_VERSION
 
     root = Path(path) / f"kvferry-v{FORMAT_VERSION}"
@@ -311,7 +313,8 @@ def wait_for_disk_chunks(
     path: str | Path, count: int, *, namespace: str | None = None, timeout_s: float = 30.0
 ) -> set[Path]:
     """Wait until the disk tier at ``path`` holds at least ``count`` chunk files in
-    ``namespace`` (None: its only one) and no half-written one; returns the files.
+    ``namespace`` (a name :func:`disk_chunk_files` gives; None: its only one) and no
+    half-written one; returns the files.
 
     Disk writes run in the background after a request ends: wait for them before an
     engine is shut down whose files a restarted engine should find."""

@@ -18,14 +18,29 @@ write owns the file: kept if it ended well everywhere, else deleted).
 
 At start (warm restart) the files are found by scanning each rank's directory
 (:meth:`~kvferry.tiers.DiskStore.scan`: names and sizes, no reads, a progress line in the
-log); a key held by every rank is READY, one held by some ranks only is deleted. Every
+log); a key held by every rank is READY, one held by some ranks only is deleted. Each
+rank's worker took a namespace of its own (the first free of ``<digest>``,
+``<digest>.1``, ...: another engine of the same fingerprint may run on the same path),
+its lock file naming the engine (:func:`engine_owner`); this side scans that one without
+locking it (``DiskStore(attach=True)``). Every
 read verifies the chunk anyway: a file that went bad since is a miss, never a load.
+
+A read that failed fails its load (vLLM recomputes); the chunk leaves the tier (its files
+deleted on every rank) only if it is gone on some rank, not for a failure that kept its
+files (a transient error: :meth:`reads_ended`).
+
+With KV events on, the keys found are announced (``BlockStored``, medium DISK, with
+vLLM's placeholder payload: their tokens are not known after a restart), at most
+:data:`RESTORED_EVENTS_PER_STEP` a step: a router that dropped the engine's blocks when
+it restarted learns what the disk holds. Those that left the tier before their turn are
+not announced; a key that was stored again meanwhile had its own event. So replaying the
+events still gives exactly the keys that are hits.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -33,18 +48,38 @@ import numpy.typing as npt
 from .._config import DiskTierConfig
 from .._errors import ConfigError
 from .._logging import get_logger
-from ..cache import BlocksRemoved, Directory, DirectoryStatistics, KVEvent
+from ..cache import BlocksRemoved, BlocksStored, Directory, DirectoryStatistics, KVEvent
 from ..tiers import DiskStore, Fingerprint, ScanReport
 from ..tiers._format import file_size
+from ._metadata import KEPT
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 I64 = npt.NDArray[np.int64]
 
 MEDIUM = "DISK"
 """The medium of the disk tier's KV events, as vLLM spells it."""
 
+RESTORED_EVENTS_PER_STEP = 1024
+"""Keys found at start announced per :meth:`DiskTier.take_events` (one step). Each is a
+``BlockStored`` of its own (a few microseconds to build on the engine thread, about 130
+bytes to publish): millions of them at once would stall the first step for seconds."""
+
+
+def engine_owner(vllm_config: VllmConfig) -> str:
+    """Who holds a worker's disk namespace, as its lock file says: the engine (vLLM's
+    ``instance_id``, one per engine, the same in its scheduler and its workers: they get
+    one config) and its data-parallel rank (data-parallel engines share a config)."""
+    parallel = vllm_config.parallel_config
+    dp_rank = getattr(parallel, "data_parallel_rank", 0)
+    return f"{getattr(vllm_config, 'instance_id', '')}/dp{dp_rank}"
+
 
 class DiskTier:
-    """``fingerprints``: one per worker rank; ``payload_bytes``: one chunk on one rank."""
+    """``fingerprints``: one per worker rank; ``payload_bytes``: one chunk on one rank;
+    ``owner``: the engine's :func:`engine_owner`, which finds the namespace each rank's
+    worker took."""
 
     def __init__(
         self,
@@ -53,6 +88,7 @@ class DiskTier:
         payload_bytes: int,
         *,
         events: bool,
+        owner: str = "",
     ) -> None:
         self.tier = tier
         self.world_size = len(fingerprints)
@@ -68,7 +104,15 @@ class DiskTier:
         # Validated now (path, size, O_DIRECT probe), scanned in scan(): an error names
         # tiers[i].path or tiers[i].bytes_to_use before anything else is built.
         self._stores = [
-            DiskStore(tier.path, self.rank_bytes, fp, tier_index=tier.index, fsync=tier.fsync)
+            DiskStore(
+                tier.path,
+                self.rank_bytes,
+                fp,
+                tier_index=tier.index,
+                fsync=tier.fsync,
+                owner=owner,
+                attach=True,
+            )
             for fp in self.fingerprints
         ]
         self.dir = Directory(
@@ -94,6 +138,12 @@ class DiskTier:
         """Slot -> [key, pins left]: a chunk still read when a reset forgot it."""
         self._unowned: set[bytes] = set()
         """Keys of files nobody holds, written again since: that write decides."""
+        self._unannounced = b""
+        """The keys found at start not announced yet, end to end (no object per key)."""
+        self._unannounced_ends = np.zeros(0, np.int64)
+        self._announced = 0
+        self._gone: set[bytes] = set()
+        """Keys removed since the start while some are unannounced: not announced."""
         self._log = get_logger("kvferry.connector", role="scheduler", tier=tier.index)
 
     @property
@@ -121,12 +171,18 @@ class DiskTier:
             reports.append(store.scan(budget_s=self.tier.scan_budget_s))
             for key in store.keys():
                 held[key] = held.get(key, 0) + 1
+        for store in self._stores:
+            store.close()
         self._stores = []  # the workers' stores do the I/O; these only found the files
         everywhere = [k for k, n in held.items() if n == self.world_size]
         self.restored = self.dir.restore(everywhere)
         # Held by some ranks only (a write that failed somewhere), or beyond capacity.
         kept = set(everywhere[: self.restored])
         self._deletes.extend(k for k in held if k not in kept)
+        if self._forward_events and self.restored:
+            restored = everywhere[: self.restored]
+            self._unannounced = b"".join(restored)
+            self._unannounced_ends = np.cumsum([len(k) for k in restored], dtype=np.int64)
         self._log.info(
             "disk_tier_restored",
             chunks=self.restored,
@@ -212,9 +268,14 @@ class DiskTier:
         return int(np.count_nonzero(ok & ~dropped))
 
     def reads_ended(self, keys: Sequence[bytes], failed: npt.NDArray[np.int64]) -> None:
-        """A load's reads ended (its pins released first): a key that failed on some
-        worker (corrupt, gone, an I/O error) is dropped, and deleted everywhere."""
-        bad = [k for k, f in zip(keys, failed.tolist(), strict=True) if f > 0]
+        """A load's reads ended (its pins released first); ``failed[i]``: chunk i's
+        reports summed over the workers (:data:`~._metadata.KEPT`). A key gone on some
+        worker (corrupt, absent, deleted for an error that says the file is bad) is no
+        hit anywhere: dropped, and its files deleted on every worker. One that failed
+        with its files kept everywhere (a transient error: EMFILE, ENOMEM...) stays a
+        hit: its load failed (recomputed), the next one may read it."""
+        gone = (np.asarray(failed, np.int64) % KEPT).tolist()
+        bad = [k for k, g in zip(keys, gone, strict=True) if g > 0]
         if bad:
             self.dir.discard(bad)
 
@@ -224,6 +285,7 @@ class DiskTier:
         once its last pin is released: :meth:`unpin`) and those of writes in flight
         (once they ended: :meth:`writes_ended`)."""
         self._drain()  # the events before it (their removals' files are deleted)
+        self._end_announcements()  # nothing found at start is a hit any more
         slots, keys, pins = self.dir.pinned()
         self._writes_dropped |= self._writes_out
         dropped = self.dir.reset()
@@ -238,11 +300,41 @@ class DiskTier:
         return dropped
 
     def _drain(self) -> None:
+        unannounced = self._announced < len(self._unannounced_ends)
         for ev in self.dir.take_events():
             if isinstance(ev, BlocksRemoved):
                 self._deletes.extend(ev.keys)
+                if unannounced:
+                    # Announced after its removal went out, a key found at start would
+                    # stay held in a router's view: it is not announced at all.
+                    self._gone.update(ev.keys)
             if self._forward_events:
                 self._events.append(ev)
+
+    def _announce_restored(self) -> list[KVEvent]:
+        """The next keys found at start, as one record, but those removed since (no
+        longer hits, or stored again: their own events say so)."""
+        ends = self._unannounced_ends
+        lo = self._announced
+        if lo >= len(ends):
+            return []
+        hi = min(len(ends), lo + RESTORED_EVENTS_PER_STEP)
+        blob, start, gone = self._unannounced, int(ends[lo - 1]) if lo else 0, self._gone
+        keys = []
+        for end in ends[lo:hi].tolist():
+            k = blob[start:end]
+            start = end
+            if k not in gone:
+                keys.append(k)
+        self._announced = hi
+        if hi == len(ends):
+            self._end_announcements()
+        return [BlocksStored(keys=keys, medium=MEDIUM)] if keys else []
+
+    def _end_announcements(self) -> None:
+        self._unannounced, self._unannounced_ends = b"", np.zeros(0, np.int64)
+        self._announced = 0
+        self._gone = set()
 
     def take_deletes(self) -> list[bytes]:
         """Keys whose files the workers delete this step (evicted, dropped, or partial)."""
@@ -251,9 +343,12 @@ class DiskTier:
         return out
 
     def take_events(self) -> list[KVEvent]:
-        """KV events since the last call (medium DISK)."""
+        """KV events since the last call (medium DISK), the next keys found at start
+        first (none of them is removed by the events after it: see :meth:`_drain`)."""
         self._drain()
-        out, self._events = self._events, []
+        out = self._announce_restored()
+        out.extend(self._events)
+        self._events = []
         return out
 
     def statistics(self) -> DirectoryStatistics:

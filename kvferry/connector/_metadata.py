@@ -19,6 +19,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ..transfer import CopyJob
 
+KEPT = 1 << 16
+"""In ``disk_failed``, what a worker reports for a chunk of a disk read that failed with
+its file kept (a transient error, EMFILE or ENOMEM; a job aborted): the load fails, the
+chunk stays. A chunk that failed and is gone on that worker (corrupt, absent, another
+fingerprint's, deleted for an error that says the file is bad) counts 1, as any failed
+write does. Summed over the workers, ``n % KEPT`` is on how many it is gone, ``n //
+KEPT`` on how many it failed and stays (world sizes are far below ``KEPT``): one int per
+chunk whatever the workers said, and ``n == 0`` still means "good everywhere"."""
+
 
 @attrs.define(kw_only=True)
 class DiskChunks:
@@ -92,9 +101,11 @@ class KVFerryWorkerMetadata(KVConnectorWorkerMetadata):
     """Transfer counters of this step (bytes and seconds per direction, disk I/O)."""
     disk_failed: dict[int, list[int]] = attrs.field(factory=dict)
     """job id -> per chunk of its disk reads (a load) or writes (a disk write), on how many
-    workers that chunk failed; reported with the job's ack (0 everywhere: all good)."""
+    workers that chunk failed; reported with the job's ack (0 everywhere: all good). A
+    read's chunk that failed with its file kept counts :data:`KEPT` instead of 1."""
     redis_failed: dict[int, list[int]] = attrs.field(factory=dict)
-    """The same for the Redis tier's reads and writes."""
+    """The same for the Redis tier's reads and writes (a failure counts 1: no
+    :data:`KEPT`)."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, KVFerryWorkerMetadata):

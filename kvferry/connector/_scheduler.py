@@ -60,7 +60,7 @@ from ..cache import (
 )
 from ..transfer import CopyJob
 from ._blockinfo import BlockBook, group_specs
-from ._disk_tier import DiskTier
+from ._disk_tier import DiskTier, engine_owner
 from ._geometry import plan_geometry, windowed_hit
 from ._metadata import DiskChunks, JobSpec, KVFerryMetadata, KVFerryWorkerMetadata
 from ._planner import (
@@ -178,6 +178,7 @@ class SchedulerSide:
                         fingerprints,
                         geo.row_bytes * geo.blocks_per_chunk,
                         events=self.events_enabled,
+                        owner=engine_owner(vllm_config),
                     )
                     self.disk.scan()
                 elif isinstance(tier, RedisTierConfig):

@@ -10,9 +10,11 @@ The disk tier, on this side:
 
 - at start (``register_kv_caches``) a :class:`~kvferry.tiers.DiskStore` under the tier's
   path, for this rank's fingerprint (:func:`~kvferry.connector._tiers.disk_fingerprint`)
-  and its share of ``bytes_to_use``; the layout observed on the KV tensors is compared
-  with the one recorded beside the files (``layout.json``), and on a change every chunk
-  file of the namespace is deleted before the warm-restart scan, so none is ever read;
+  and its share of ``bytes_to_use``, in a namespace of its own (locked until
+  ``shutdown``, its lock naming the engine: :func:`~._disk_tier.engine_owner`); the
+  layout observed on the KV tensors is compared with the one recorded beside the files
+  (``layout.json``), and on a change every chunk file of the namespace is deleted before
+  the warm-restart scan, so none is ever read;
   then the scan, synchronously, before the engine's first step;
 - a load with ``disk_reads`` reads its chunks into its host slots first, and its copy is
   chained after the read in the disk actor's task (``ReadChunks.then``: the load actor's
@@ -23,7 +25,11 @@ The disk tier, on this side:
 - ``wait_for_save`` queues the step's disk deletes, then its disk writes (host slots the
   scheduler keeps pinned until the write's ack);
 - every disk job's per-chunk outcome goes back in ``disk_failed`` with the job's ack, in
-  the same worker metadata.
+  the same worker metadata. A read's chunk that failed is reported gone (1) when this
+  rank's store no longer holds it (corrupt, absent, another fingerprint's, deleted for an
+  error that says the file is bad), else kept (:data:`~._metadata.KEPT`: a transient
+  error such as EMFILE or ENOMEM, a job aborted): either fails the load, but the
+  scheduler drops only a chunk gone on some rank.
 
 The Redis tier, on this side, takes the disk tier's paths with a
 :class:`~kvferry.tiers.RedisIOActor` (the same messages) in place of the disk actor: a
@@ -86,8 +92,9 @@ from ..transfer import (
     new_copy_engine,
 )
 from ..transfer._layout import KVLayout, _block_dim
+from ._disk_tier import engine_owner
 from ._geometry import Geometry, plan_geometry
-from ._metadata import DiskWriteSpec, JobSpec, KVFerryMetadata, KVFerryWorkerMetadata
+from ._metadata import KEPT, DiskWriteSpec, JobSpec, KVFerryMetadata, KVFerryWorkerMetadata
 from ._redis_tier import make_store
 from ._tiers import disk_fingerprint
 
@@ -214,15 +221,19 @@ def _changed_keys(recorded: object, observed: dict[str, Any]) -> list[str]:
     )
 
 
-def clear_chunk_files(namespace: Path) -> int:
-    """Delete every chunk file (and temporary one) under ``namespace``; how many."""
+def clear_chunk_files(namespace: Path, *, temp: bool = True) -> int:
+    """Delete every chunk file (and, with ``temp``, temporary one) under ``namespace``;
+    how many. ``temp`` only in a namespace the store holds locked: in a shared one (no
+    ``flock``) a ``.tmp`` may be another engine's write in flight (the scan deletes the
+    stale ones)."""
+    suffixes = (".kvc", ".tmp") if temp else (".kvc",)
     removed = 0
     with os.scandir(namespace) as top:
         fans = [e.path for e in top if e.is_dir(follow_symlinks=False)]
     for fan in fans:
         with os.scandir(fan) as entries:
             for entry in entries:
-                if entry.name.endswith((".kvc", ".tmp")):
+                if entry.name.endswith(suffixes):
                     try:
                         os.unlink(entry.path)
                     except FileNotFoundError:
@@ -274,7 +285,11 @@ class WorkerSide:
         self.disk: DiskStore | None = None
         self.disk_scan: ScanReport | None = None
         self._disk_failed: dict[int, list[int]] = {}
-        """Per-chunk disk outcomes (0 ok, 1 failed) to report with their jobs' acks."""
+        """Per-chunk disk outcomes (0 ok, 1 failed; a read's chunk failed with its file
+        kept: :data:`~._metadata.KEPT`) to report with their jobs' acks."""
+        self._disk_read_keys: dict[int, Any] = {}
+        """Load job id -> the keys of its disk read in flight (whether this rank still
+        holds a chunk that failed is asked of the store when the read ends)."""
         self._redis_failed: dict[int, list[int]] = {}
         """The same for the Redis tier."""
         self._read_outcomes: dict[tuple[str, int], list[int]] = {}
@@ -364,6 +379,8 @@ class WorkerSide:
             # (Redis unreachable, say): nothing else would close them.
             engine.close()
             self.pool.close()
+            if self.disk is not None:
+                self.disk.close()
             raise
         self._refs = refs
         self._engine = engine
@@ -398,6 +415,7 @@ class WorkerSide:
             tier_index=tier.index,
             fsync=tier.fsync,
             ops=self._disk_ops,
+            owner=engine_owner(self.vllm_config),
         )
         target = store.namespace / LAYOUT_FILE
         try:
@@ -410,7 +428,7 @@ class WorkerSide:
             return store
         # Before the scan: a chunk written for another layout is never indexed, never
         # read. No record at all: none written yet, or files of a writer that kept none.
-        removed = clear_chunk_files(store.namespace)
+        removed = clear_chunk_files(store.namespace, temp=store.locked)
         if recorded is not None or removed:
             self._log.warning(
                 "disk_layout_changed",
@@ -535,14 +553,14 @@ class WorkerSide:
                     continue
                 then = _ThenRead(ref=refs.redis, read=read)
             if spec.disk_reads is not None:
-                disk_msgs.append(
-                    ReadChunks(
-                        job_id=job_id,
-                        keys=keys_array(spec.disk_reads.keys),
-                        slots=spec.disk_reads.slots,
-                        then=then,
-                    )
+                msg = ReadChunks(
+                    job_id=job_id,
+                    keys=keys_array(spec.disk_reads.keys),
+                    slots=spec.disk_reads.slots,
+                    then=then,
                 )
+                self._disk_read_keys[job_id] = msg.keys
+                disk_msgs.append(msg)
         if refs.disk is not None:
             self._tell_disk(refs.disk, disk_msgs)
         if refs.redis is not None:
@@ -714,6 +732,8 @@ class WorkerSide:
                 _add(stats, f"{tier}_write_seconds", res.seconds)
                 _add(stats, f"{tier}_writes_failed", n_bad)
                 continue
+            if tier == "disk":
+                per_chunk = self._disk_read_report(res, bad, per_chunk)
             _add(stats, f"{tier}_read_bytes", res.nbytes)
             _add(stats, f"{tier}_read_seconds", res.seconds)
             _add(stats, f"{tier}_reads_failed", n_bad)
@@ -748,6 +768,23 @@ class WorkerSide:
                 )
         return failed
 
+    def _disk_read_report(self, res: DiskJobResult, bad: Any, per_chunk: list[int]) -> list[int]:
+        """A disk read's per-chunk report: a chunk that failed counts 1 when this rank no
+        longer holds it (its store forgot it: corrupt, absent, another fingerprint's,
+        deleted for an error that says the file is bad; no disk tier here), else
+        :data:`~._metadata.KEPT` (a transient error: EMFILE, ENOMEM, EINTR...; a job
+        aborted). Asked of the store, not read from the outcome: ``IO_ERROR`` is either.
+        Nothing else changes the key meanwhile: the scheduler neither deletes nor writes
+        a chunk a load still reads (it is pinned)."""
+        keys = self._disk_read_keys.pop(res.job_id, None)
+        store = self.disk
+        if keys is None or store is None or len(keys) != len(per_chunk):
+            return per_chunk
+        for i in np.flatnonzero(bad).tolist():
+            if bytes(keys[i]) in store:
+                per_chunk[i] = KEPT
+        return per_chunk
+
     def take_failed_recving(self) -> set[str]:
         """Requests whose load failed, reported whole (several KV-cache groups); each is
         also in ``finished_recving`` of the same or an earlier ``get_finished``."""
@@ -781,6 +818,8 @@ class WorkerSide:
             engine.close()
         if self.pool is not None:
             self.pool.close()  # unpins at once (nothing copies to or from it any more)
+        if self.disk is not None:
+            self.disk.close()  # after the actors: no I/O runs; the next engine may take it
 
 
 def _add(stats: dict[str, float], key: str, value: float) -> None:

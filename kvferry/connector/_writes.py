@@ -180,8 +180,10 @@ class TierWrites:
     def reads_ended(self, job: JobState) -> None:
         """A load's chunks from below host memory, once every worker reported: read
         everywhere, their host slots become READY (the blocks are in host memory now);
-        else dropped, and a chunk that failed is dropped from its tier too (a disk file
-        deleted; a Redis key known absent, its damaged value deleted by the reader)."""
+        else dropped, and a chunk that failed is dropped from its tier too (a disk chunk
+        gone on some worker: its files deleted, but not one whose files every worker
+        kept, :meth:`DiskTier.reads_ended`; a Redis key known absent, its damaged value
+        deleted by the reader)."""
         if self.disk is not None and len(job.disk_slots):
             self.disk.unpin(job.disk_slots)
         kept: set[bytes] = set()  # facts handed on to a disk write (_keep_on_disk)

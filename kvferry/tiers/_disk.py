@@ -2,8 +2,22 @@
 
 Layout under ``path``::
 
-    kvferry-v1/<fingerprint digest, hex>/fingerprint.json    what the digest stands for
-    kvferry-v1/<fingerprint digest, hex>/<fan>/<key hex>.kvc  one chunk (see ._format)
+    kvferry-v1/<namespace>/fingerprint.json    what the digest stands for
+    kvferry-v1/<namespace>/lock                held (flock) by the store using it
+    kvferry-v1/<namespace>/<fan>/<key hex>.kvc  one chunk (see ._format)
+
+A namespace is the fingerprint's digest in hex, ``<digest>``, or a numbered sibling of
+it, ``<digest>.1``, ``<digest>.2``, ...: one per engine of that fingerprint running on
+``path``. A store takes the first whose ``lock`` it can hold (an exclusive, non-blocking
+``flock``, made if missing) and holds it until :meth:`DiskStore.close` (or its process
+ends): two engines of one fingerprint (two ``vllm serve`` of one model on a node,
+data-parallel engines: the fingerprint names neither) never share one, so neither
+deletes, evicts, counts or scans the other's chunks, and each keeps to its own
+``bytes_to_use``. An engine restarted takes the first free one again, and its scan finds
+the chunks a previous engine left there. Where the file system has no ``flock`` (ENOLCK,
+EOPNOTSUPP on some network file systems) the store warns once and uses ``<digest>``
+without a lock, shared as before. The scheduler side scans the namespace its worker
+took without locking it (``attach``: see :meth:`DiskStore.__init__`).
 
 ``<fan>`` is 2 hex digits of the key's xxh3_64: 256 directories, made at start (once:
 they persist), so a directory holds about ``chunks / 256`` entries (4096 for a million
@@ -14,11 +28,17 @@ hence made at start (256 ``mkdir``, about 65 ms here, once).
 
 Engines with another fingerprint (another model, dtype, layout, block size, rank, ...)
 live in their own directory beside ours; a store never reads, counts as its own, or
-deletes them. Many engines may share ``path``.
+deletes them. Many engines may share ``path``, of any fingerprints: each uses a
+namespace of its own (above), and its own ``bytes_to_use`` (N engines on one ``path``
+use up to N times theirs).
 
 Writes: a temporary name in the chunk's directory (``<key hex>.<pid>.<n>.tmp``), the
 header and the payload written, closed, then renamed over the final name. A writer that
-dies mid-chunk leaves only a ``.tmp`` file, which no read opens and ``scan`` deletes.
+dies mid-chunk leaves only a ``.tmp`` file, which no read opens and ``scan`` deletes: at
+once in a namespace the store holds locked (no other writer can be there, and the scan
+runs before the store's own first write), else once it is :data:`TEMP_STALE_S` old (no
+lock: the file may be a live writer's in another process; a name's pid says nothing
+across pid namespaces, and is reused; deleting it would fail that write).
 fsync policy (``fsync``): ``"never"`` (the default) calls no fsync — a crash of the
 process cannot leave a torn chunk under a final name, and a power loss can (the rename
 may reach the disk before the data), but every read verifies the header and the xxh3
@@ -30,7 +50,9 @@ Failures are misses, never errors the caller must handle: a full disk (ENOSPC,
 EDQUOT), an I/O error, a permission or read-only error skip the store (counted in
 :class:`DiskStatistics`, logged once per kind); a chunk that fails verification is
 counted by the check that failed, logged once per check, deleted, and never loaded; a
-chunk of another fingerprint found under our name is counted and left alone.
+chunk of another fingerprint found under our name is counted and left alone. A read the
+file system fails is a miss; the chunk is deleted only when the error says the file is
+bad (EIO, EBADMSG, EUCLEAN), and stays for a transient one (EMFILE, ENOMEM, ...).
 
 I/O: with ``O_DIRECT`` where the file system takes it (probed at start: a file opened and
 written with ``O_DIRECT`` in the store's directory; ``EINVAL`` means buffered I/O), from
@@ -42,18 +64,20 @@ the other's files.
 Who owns what: the index (key -> bytes on disk) and the counters are guarded by one
 lock; ``read``, ``write``, ``delete`` may be called from several threads at once (the
 disk actor runs them in worker threads). ``scan`` is called once, at start, before any
-other call.
+other call; ``close`` once I/O has stopped (it lets the namespace go).
 """
 
 from __future__ import annotations
 
 import enum
 import errno
+import fcntl
 import itertools
 import os
 import threading
 import time
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal, TypeAlias
 
@@ -87,6 +111,36 @@ _O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 
 SCAN_PROGRESS_EVERY_S = 5.0
 """A ``disk_scan_progress`` line at most this often while a scan runs."""
+
+TEMP_STALE_S = 60.0
+"""In a namespace the store could not lock (no ``flock`` on the file system, or a scan
+that attached without locking), a ``.tmp`` file untouched this long is a dead writer's,
+and ``scan`` deletes it; a younger one may be a live writer's (another engine of the
+same fingerprint sharing the namespace) and is left for a later scan. A live writer
+touches its file with every write and renames it within one chunk's I/O. In a namespace
+the store holds locked, ``scan`` deletes every ``.tmp`` at once."""
+
+LOCK_FILE = "lock"
+"""In a namespace: the file whose ``flock`` its store holds; it reads the holder's
+``owner`` (see :class:`DiskStore`)."""
+
+MAX_NAMESPACES = 256
+"""Namespaces of one fingerprint on one ``path`` (``<digest>``, ``<digest>.1``, ...):
+engines of that fingerprint running on it at once."""
+
+_NO_FLOCK_ERRNOS = frozenset(
+    getattr(errno, name) for name in ("ENOLCK", "EOPNOTSUPP", "ENOTSUP") if hasattr(errno, name)
+)
+"""``flock`` errors that say the file system does not lock (some network file systems)."""
+
+_BUSY_ERRNOS = frozenset((errno.EWOULDBLOCK, errno.EAGAIN))
+
+_held_lock = threading.Lock()
+_held: dict[tuple[str, bytes], list[Path]] = {}
+"""(``path`` resolved, digest) -> the namespaces stores of this process hold locked, in
+the order they were taken: where a store that attaches in this process looks first."""
+_no_flock_warned: set[str] = set()
+"""The ``path`` values whose missing ``flock`` was warned about (once each)."""
 
 
 class Outcome(enum.IntEnum):
@@ -128,6 +182,15 @@ _ERRNO_OUTCOME = {
 }
 
 
+_BAD_FILE_ERRNOS = frozenset(
+    getattr(errno, name) for name in ("EIO", "EBADMSG", "EUCLEAN") if hasattr(errno, name)
+)
+"""Read errors that say the file itself cannot be read back: a media error, or the file
+system's own checksum or structure check failing on it (EFSBADCRC, EFSCORRUPTED). Any
+other (EMFILE, ENFILE, ENOMEM, EINTR, EAGAIN, EACCES, ...) is about the process or the
+moment, not the file: deleting a good chunk for it would lose a hit for nothing."""
+
+
 class FileOps:
     """The operating-system calls a :class:`DiskStore` makes, in one place: tests
     subclass it to inject faults (ENOSPC, EIO) at the ``os`` level."""
@@ -152,6 +215,9 @@ class FileOps:
 
     def unlink(self, path: str) -> None:
         os.unlink(path)
+
+    def flock(self, fd: int, operation: int) -> None:
+        fcntl.flock(fd, operation)
 
     def fsync_dir(self, path: str) -> None:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
@@ -199,11 +265,18 @@ class ScanReport:
     chunks: int
     bytes: int
     temp_removed: int
-    """``.tmp`` files of writers that died mid-chunk: deleted."""
+    """``.tmp`` files of writers that died mid-chunk (any, in a namespace the store holds
+    locked; else :data:`TEMP_STALE_S` old): deleted."""
+    temp_kept: int
+    """Without the namespace's lock, younger ``.tmp`` files (maybe a live writer's): left
+    for a later scan."""
     corrupt_removed: int
     """Chunks whose size (or, with ``verify_headers``, header) cannot be valid: deleted."""
     foreign_namespaces: int
     """Directories of other fingerprints beside ours: not read, not deleted."""
+    sibling_namespaces: int
+    """Other namespaces of our fingerprint beside ours (``<digest>``, ``<digest>.<n>``:
+    engines of it running on ``path``, or left by earlier ones): not read, not deleted."""
     foreign_chunks: int
     """With ``verify_headers``: chunks under our name written by another fingerprint
     (left on disk, not indexed)."""
@@ -250,6 +323,15 @@ class DiskStore:
     (:class:`~kvferry.ConfigError`). ``direct``: None probes O_DIRECT, False never uses
     it, True requires it. ``ops`` replaces the operating-system calls (tests).
 
+    The namespace (see the module docstring): the first of ``<digest>``, ``<digest>.1``,
+    ... that the store can lock, held until :meth:`close` (or until the store is garbage
+    collected, or its process ends), its ``lock`` file reading ``owner`` (who holds it:
+    the connector writes its engine's identity, shared by its scheduler and workers).
+    ``attach=True`` takes no lock and uses the namespace another store took for the
+    same fingerprint (the scheduler side scanning its workers' files): the one whose
+    ``lock`` reads ``owner``, else the one a store of this process took last, else
+    ``<digest>``. :attr:`locked` says whether the store holds its namespace's lock.
+
     The index is empty until :meth:`scan` (call it once at start, off the event loop).
     """
 
@@ -263,6 +345,8 @@ class DiskStore:
         fsync: FsyncPolicy = "never",
         direct: bool | None = None,
         ops: FileOps | None = None,
+        owner: str = "",
+        attach: bool = False,
     ) -> None:
         path_key = f"tiers[{tier_index}].path"
         size_key = f"tiers[{tier_index}].bytes_to_use"
@@ -280,7 +364,15 @@ class DiskStore:
         self._ops = ops or FileOps()
         self._log = get_logger("kvferry.tiers", tier=tier_index)
         self.root = Path(os.fspath(path))
-        self.namespace = self.root / f"kvferry-v{FORMAT_VERSION}" / fingerprint.digest.hex()
+        self.owner = owner
+        self.locked = False
+        """Whether this store holds its namespace's lock (see the class docstring)."""
+        self._lock_fd: int | None = None
+        self._release: Callable[[], object] = lambda: None
+        if attach:
+            self.namespace = self._attached_namespace()
+        else:
+            self.namespace = self._take_namespace(path_key)
         try:
             self.namespace.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -319,6 +411,99 @@ class DiskStore:
         self._skipped: dict[str, int] = {}
 
     # ---------------------------------------------------------------- start
+
+    def _namespaces(self) -> tuple[Path, str]:
+        """The directory of the namespaces and the base name, ``<digest hex>``."""
+        return self.root / f"kvferry-v{FORMAT_VERSION}", self.fingerprint.digest.hex()
+
+    def _take_namespace(self, path_key: str) -> Path:
+        """The first namespace of the fingerprint whose lock this store can hold, made if
+        missing; ``<digest>`` unlocked where the file system has no ``flock``."""
+        parent, base = self._namespaces()
+        for n in range(MAX_NAMESPACES):
+            namespace = parent / (base if n == 0 else f"{base}.{n}")
+            try:
+                namespace.mkdir(parents=True, exist_ok=True)
+                fd = os.open(namespace / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as exc:
+                raise ConfigError(path_key, f"cannot create {namespace}: {exc}") from exc
+            try:
+                self._ops.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                if exc.errno in _BUSY_ERRNOS:
+                    os.close(fd)  # another engine's: the next one
+                    continue
+                if exc.errno not in _NO_FLOCK_ERRNOS:
+                    os.close(fd)
+                    raise ConfigError(path_key, f"cannot lock {namespace}: {exc}") from exc
+                self._write_owner(fd)
+                os.close(fd)
+                with _held_lock:
+                    first = str(self.root) not in _no_flock_warned
+                    _no_flock_warned.add(str(self.root))
+                (self._log.warning if first else self._log.debug)(
+                    "disk_namespace_not_locked",
+                    path=str(namespace),
+                    error=repr(exc),
+                    note="the file system has no flock: engines of one fingerprint on "
+                    "this path share this namespace (and each other's chunks); "
+                    "logged once",
+                )
+                return namespace
+            self._write_owner(fd)
+            self._lock_fd = fd
+            self.locked = True
+            key = (os.path.realpath(self.root), self.fingerprint.digest)
+            with _held_lock:
+                _held.setdefault(key, []).append(namespace)
+            self._release = weakref.finalize(self, _release, fd, key, namespace)
+            if n:
+                self._log.info(
+                    "disk_namespace_taken",
+                    path=str(namespace),
+                    note="the ones before it are held by other engines of this fingerprint",
+                )
+            return namespace
+        raise ConfigError(
+            path_key,
+            f"{MAX_NAMESPACES} engines of this fingerprint already hold namespaces under "
+            f"{parent} (the first is {base})",
+        )
+
+    def _write_owner(self, fd: int) -> None:
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (self.owner + "\n").encode(), 0)
+        except OSError:
+            pass  # only an attaching scan reads it, and falls back without it
+
+    def _attached_namespace(self) -> Path:
+        """The namespace a store holding the lock took (see the class docstring)."""
+        parent, base = self._namespaces()
+        if self.owner:
+            try:
+                names = [e.name for e in os.scandir(parent) if e.is_dir(follow_symlinks=False)]
+            except OSError:
+                names = []
+            for name in sorted(n for n in names if _sibling_index(n, base) is not None):
+                try:
+                    held_by = (parent / name / LOCK_FILE).read_text().strip()
+                except (OSError, UnicodeDecodeError):
+                    continue
+                if held_by == self.owner:
+                    return parent / name
+        with _held_lock:
+            mine = _held.get((os.path.realpath(self.root), self.fingerprint.digest))
+            if mine:
+                return mine[-1]
+        return parent / base
+
+    def close(self) -> None:
+        """Let the namespace go (its lock): the next engine of this fingerprint may take
+        it, and finds its chunks. Call once no I/O runs any more; idempotent."""
+        self._release()
+        self._lock_fd = None
+        self.locked = False
 
     def _probe(self, path_key: str, direct: bool | None) -> bool:
         """Whether O_DIRECT works here; a :class:`ConfigError` if nothing can be written."""
@@ -397,15 +582,19 @@ class DiskStore:
         start = time.monotonic()
         last_progress = start
         entries = 0
-        temp = corrupt = foreign = ignored = 0
+        temp = temp_kept = corrupt = foreign = ignored = 0
+        # No other writer can be in a namespace held locked: every .tmp is a dead one's.
+        stale_before = float("inf") if self.locked else time.time() - TEMP_STALE_S
         complete = True
         index: dict[bytes, int] = {}
         self._log.info("disk_scan_started", path=str(self.namespace), budget_s=budget_s)
-        parent = self.namespace.parent
+        parent, base = self._namespaces()
         own = self.namespace.name
-        foreign_namespaces = sum(
-            1 for e in os.scandir(parent) if e.is_dir(follow_symlinks=False) and e.name != own
-        )
+        others = [
+            e.name for e in os.scandir(parent) if e.is_dir(follow_symlinks=False) and e.name != own
+        ]
+        siblings = sum(1 for name in others if _sibling_index(name, base) is not None)
+        foreign_namespaces = len(others) - siblings
         for fan, entry in self._entries():
             entries += 1
             now = time.monotonic()
@@ -422,8 +611,15 @@ class DiskStore:
                 )
             name = entry.name
             if name.endswith(_TEMP_SUFFIX):
-                self._unlink(entry.path)
-                temp += 1
+                try:
+                    stale = entry.stat(follow_symlinks=False).st_mtime < stale_before
+                except OSError:
+                    continue  # gone meanwhile: its writer renamed it
+                if stale:
+                    self._unlink(entry.path)
+                    temp += 1
+                else:
+                    temp_kept += 1
                 continue
             key = self._key_of(fan, name)
             if key is None:
@@ -457,8 +653,10 @@ class DiskStore:
             chunks=len(index),
             bytes=self._used,
             temp_removed=temp,
+            temp_kept=temp_kept,
             corrupt_removed=corrupt,
             foreign_namespaces=foreign_namespaces,
+            sibling_namespaces=siblings,
             foreign_chunks=foreign,
             ignored=ignored,
             complete=complete,
@@ -627,8 +825,10 @@ class DiskStore:
         fingerprint, key, length) and the payload's checksum all match.
 
         Otherwise a miss: ``ABSENT``; ``CORRUPT`` (counted by check, the file deleted);
-        ``FOREIGN`` (another fingerprint: counted, left on disk); ``IO_ERROR``. After a
-        miss ``into`` holds nothing valid.
+        ``FOREIGN`` (another fingerprint: counted, left on disk); ``IO_ERROR`` (the file
+        deleted only for an error that says it is bad: EIO, EBADMSG, EUCLEAN; kept for a
+        transient one such as EMFILE or ENOMEM). After a miss ``into`` holds nothing
+        valid.
         """
         body = _byte_view(into, writable=True)
         n = len(body)
@@ -696,8 +896,15 @@ class DiskStore:
         return offset
 
     def _read_failed(self, key: bytes, exc: OSError) -> Outcome:
-        self._forget(key, "read_errors")
-        self._unlink(str(self.path_of(key)))
+        """A read the file system failed: the chunk goes only if the error says the file
+        is bad; else this read is a miss and the chunk stays (file and index: a file the
+        index does not hold would be neither counted nor ever deleted)."""
+        if exc.errno in _BAD_FILE_ERRNOS:
+            self._forget(key, "read_errors")
+            self._unlink(str(self.path_of(key)))
+        else:
+            with self._lock:
+                self._counts["read_errors"] += 1
         self._log_once(f"read:{exc.errno}", "disk_read_failed", key=key.hex(), error=repr(exc))
         return Outcome.IO_ERROR
 
@@ -782,6 +989,36 @@ class DiskStore:
                 writes_skipped_by_outcome=tuple(sorted(self._skipped.items())),
                 deleted=c["deleted"],
             )
+
+
+def _sibling_index(name: str, base: str) -> int | None:
+    """``n`` for the namespace ``<base>.<n>`` (0 for ``<base>``); None for another name."""
+    if name == base:
+        return 0
+    head, dot, n = name.partition(".")
+    if head != base or not dot or not n.isdigit() or n != str(int(n)) or int(n) == 0:
+        return None
+    return int(n)
+
+
+def _release(fd: int | None, key: tuple[str, bytes] | None, namespace: Path | None) -> None:
+    """Let a namespace go: its lock (closing the descriptor) and this process's record."""
+    if key is not None:
+        with _held_lock:
+            held = _held.get(key)
+            if held is not None and namespace in held:
+                held.remove(namespace)
+                if not held:
+                    del _held[key]
+    if fd is not None:
+        try:
+            os.ftruncate(fd, 0)  # it names no owner any more (still ours: nobody races)
+        except OSError:
+            pass
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 def _fan(key: bytes) -> str:

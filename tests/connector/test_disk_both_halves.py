@@ -7,6 +7,7 @@ the scheduler drops the chunk; a restart finds the files again."""
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -123,6 +124,40 @@ def test_a_chunk_damaged_on_disk_fails_the_load_and_leaves_the_tier(
     assert not os.path.exists(path)
 
 
+class OutOfDescriptorsOnce(FileOps):
+    """The next chunk file opened for a read fails with EMFILE (every descriptor of the
+    process taken, for a moment), once."""
+
+    def __init__(self) -> None:
+        self.failed = False
+
+    def open(self, path: str, flags: int, mode: int = 0o644) -> int:
+        if not self.failed and path.endswith(".kvc") and flags & os.O_ACCMODE == os.O_RDONLY:
+            self.failed = True
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+        return super().open(path, flags, mode)
+
+
+def test_a_transient_read_error_fails_the_load_and_keeps_the_chunk(
+    make_engine: Callable[..., Engine],
+) -> None:
+    """EMFILE on a chunk's open: the load fails (vLLM recomputes), but nothing is wrong
+    with the chunk, which stays on disk and a hit for the next request."""
+    e = make_engine()
+    a, b, c = (request(n, 3 * BLOCK + 8) for n in "abc")  # the same prompt
+    keys = store_and_write_down(e, a, [1, 2, 3, 4])
+    assert e.worker.disk is not None
+    e.worker.disk._ops = OutOfDescriptorsOnce()
+    load(e, b, [9, 10, 11, 12], 3 * BLOCK)
+    assert e.load_errors == {9, 10, 11}  # recomputed by vLLM
+    e.step()  # the deletes a failed read leads to, if any, are done now
+    assert all(e.worker.disk.path_of(k).exists() for k in keys)
+    assert e.sched.disk.ready(keys).all()
+    e.load_errors.clear()
+    load(e, c, [5, 6, 7, 8], 3 * BLOCK)
+    assert e.load_errors == set()
+
+
 def test_after_a_restart_the_files_are_hits_again(make_engine: Callable[..., Engine]) -> None:
     first = make_engine()
     a = request("a", 2 * BLOCK + 8)
@@ -136,6 +171,37 @@ def test_after_a_restart_the_files_are_hits_again(make_engine: Callable[..., Eng
     load(again, b, [5, 6, 7], 2 * BLOCK)
     assert again.load_errors == set()
     assert [again.block(x) for x in (5, 6)] == written
+
+
+def test_two_engines_of_one_model_on_one_path_keep_to_their_own_chunks(
+    make_engine: Callable[..., Engine],
+) -> None:
+    """Two engines of one fingerprint on one ``path`` at once: each worker takes a
+    namespace of its own and its scheduler half scans that one, so one never counts,
+    evicts or reads the other's chunks. Restarted, an engine takes the first free
+    namespace, a previous engine's, and its chunks are hits."""
+    first = make_engine()
+    a = request("a", 2 * BLOCK + 8)
+    keys = store_and_write_down(first, a, [1, 2, 3])
+    written = [first.block(x) for x in (1, 2)]
+    second = make_engine()
+    assert first.worker.disk is not None and second.worker.disk is not None
+    assert second.worker.disk.namespace != first.worker.disk.namespace
+    assert second.worker.disk_scan is not None and second.worker.disk_scan.chunks == 0
+    assert second.sched.disk.restored == 0 and not second.sched.disk.ready(keys).any()
+    b = request("b", 2 * BLOCK + 8, seed=3)
+    store_and_write_down(second, b, [4, 5, 6])
+    assert first.worker.disk.keys() == keys  # untouched by the other engine
+    first.close()
+
+    again = make_engine("thread")  # the first engine restarted, the second still running
+    assert again.worker.disk is not None
+    assert again.worker.disk.namespace == first.worker.disk.namespace
+    assert again.sched.disk.restored == 2 and again.sched.disk.ready(keys).all()
+    c = request("c", 2 * BLOCK + 8)  # a's prompt
+    load(again, c, [7, 8, 9], 2 * BLOCK)
+    assert again.load_errors == set()
+    assert [again.block(x) for x in (7, 8)] == written
 
 
 def test_on_evict_writes_a_block_down_only_when_host_memory_evicts_it(

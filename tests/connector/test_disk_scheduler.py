@@ -445,6 +445,22 @@ def test_a_reset_keeps_the_deletes_of_chunks_evicted_before_it(side_for: Any) ->
         assert sorted(deletes) == sorted(_keys(a, 3))  # the two evicted, and the one held
 
 
+def chunks_on_disk(
+    make_vllm_config: Any, kv_cache_config: Any, path: Any, keys: list[bytes]
+) -> None:
+    """Files of ``keys`` in the engine's namespace under ``path``, as a run before wrote."""
+    from kvferry.connector._tiers import disk_fingerprint
+
+    extra = {
+        "cpu_bytes_to_use": 8 * SLOT_BYTES,
+        "tiers": [{"kind": "disk", "path": str(path), "bytes_to_use": disk_bytes(8)}],
+    }
+    fp = disk_fingerprint(make_vllm_config(extra), kv_cache_config, BLOCK, 0)
+    store = DiskStore(path, disk_bytes(8), fp)
+    for k in keys:
+        assert store.write(k, np.arange(SLOT_BYTES, dtype=np.uint8)) == 0
+
+
 @contextmanager
 def side_with_events(make_vllm_config: Any, kv_cache_config: Any, tmp_path: Any) -> Iterator[Any]:
     """A scheduler half with a disk tier of 8 chunks and vLLM's KV events on."""
@@ -515,3 +531,89 @@ def test_after_a_reset_a_router_replaying_the_events_holds_the_host_blocks_store
         router_replay(router, side.take_events())
         assert side.get_num_new_matched_tokens(request("b", 2 * BLOCK + 8), 0) == (2 * BLOCK, True)
         assert router["CPU"] == held and router["DISK"] == set()
+
+
+def test_a_restarted_engine_announces_the_chunks_it_found_on_disk(
+    make_vllm_config: Any, kv_cache_config: Any, tmp_path: Any
+) -> None:
+    """A router drops a restarted engine's blocks; the chunks on disk are hits at once,
+    so they are announced (medium DISK; vLLM's placeholder payload: their tokens are not
+    known after a restart), and a router replaying the events routes to them."""
+    from vllm.distributed.kv_events import BlockStored
+
+    a = request("a", 3 * BLOCK + 8)
+    keys = [key(a, c) for c in range(3)]
+    chunks_on_disk(make_vllm_config, kv_cache_config, tmp_path, keys)
+    with side_with_events(make_vllm_config, kv_cache_config, tmp_path) as side:
+        assert side.disk.restored == 3
+        router: dict[str, set[Any]] = {}
+        events = side.take_events()
+        router_replay(router, events)
+        assert router.get("DISK") == vllm_hashes(keys)
+        stored = [e for e in events if isinstance(e, BlockStored)]
+        assert all(e.token_ids == [] and e.block_size == 0 for e in stored)
+        router_replay(router, side.take_events())
+        assert router["DISK"] == vllm_hashes(keys)  # announced once
+
+
+def test_chunks_found_at_start_are_announced_a_batch_a_step(
+    make_vllm_config: Any, kv_cache_config: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Millions of chunks are announced over many steps, not all in the first."""
+    from kvferry.connector import _disk_tier
+
+    monkeypatch.setattr(_disk_tier, "RESTORED_EVENTS_PER_STEP", 2)
+    a = request("a", 5 * BLOCK + 8)
+    keys = [key(a, c) for c in range(5)]
+    chunks_on_disk(make_vllm_config, kv_cache_config, tmp_path, keys)
+    with side_with_events(make_vllm_config, kv_cache_config, tmp_path) as side:
+        router: dict[str, set[Any]] = {}
+        seen = []
+        for _ in range(4):
+            router_replay(router, side.take_events())
+            seen.append(len(router["DISK"]))
+        assert seen == [2, 4, 5, 5]
+        assert router["DISK"] == vllm_hashes(keys)
+
+
+def test_a_chunk_found_at_start_that_left_before_its_turn_is_never_announced(
+    make_vllm_config: Any, kv_cache_config: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its removal went out before its turn came (a no-op for a router that never heard
+    of it): announcing it then would leave it held in the router's view for good."""
+    from kvferry.connector import _disk_tier
+
+    monkeypatch.setattr(_disk_tier, "RESTORED_EVENTS_PER_STEP", 2)
+    a = request("a", 5 * BLOCK + 8)
+    keys = [key(a, c) for c in range(5)]
+    chunks_on_disk(make_vllm_config, kv_cache_config, tmp_path, keys)
+    with side_with_events(make_vllm_config, kv_cache_config, tmp_path) as side:
+        router: dict[str, set[Any]] = {}
+        router_replay(router, side.take_events())
+        first = set(router["DISK"])
+        assert len(first) == 2
+        rest = [k for k in keys if not vllm_hashes([k]) & first]
+        side.disk.reads_ended(rest, np.ones(len(rest), np.int64))  # failed reads drop them
+        for _ in range(3):
+            router_replay(router, side.take_events())
+            assert router["DISK"] == first == vllm_hashes(list(side.disk.dir.visible_keys()))
+
+
+def test_a_reset_ends_the_announcements_of_the_chunks_found_at_start(
+    make_vllm_config: Any, kv_cache_config: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM resets the prefix cache before every chunk found at start was announced: the
+    rest are no hits any more, and are not announced."""
+    from kvferry.connector import _disk_tier
+
+    monkeypatch.setattr(_disk_tier, "RESTORED_EVENTS_PER_STEP", 2)
+    a = request("a", 5 * BLOCK + 8)
+    chunks_on_disk(make_vllm_config, kv_cache_config, tmp_path, [key(a, c) for c in range(5)])
+    with side_with_events(make_vllm_config, kv_cache_config, tmp_path) as side:
+        router: dict[str, set[Any]] = {}
+        router_replay(router, side.take_events())
+        assert len(router["DISK"]) == 2
+        assert side.reset()
+        for _ in range(3):
+            router_replay(router, side.take_events())
+            assert router["DISK"] == set()

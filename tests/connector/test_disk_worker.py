@@ -378,6 +378,46 @@ def test_a_read_of_a_chunk_not_on_disk_fails_the_load(make_worker: Callable[...,
     assert seen.stats["disk_reads_failed"] == 1 and seen.stats["disk_chunks_corrupt"] == 0
 
 
+class ReadOpenFails(FileOps):
+    """The next open of ``name``'s chunk file for a read fails with ``error``, once."""
+
+    def __init__(self, gated: bytes, error: int) -> None:
+        self.name = gated.hex() + ".kvc"
+        self.error = error
+        self.armed = False
+
+    def open(self, path: str, flags: int, mode: int = 0o644) -> int:
+        if self.armed and os.path.basename(path) == self.name and not flags & os.O_CREAT:
+            self.armed = False
+            raise OSError(self.error, os.strerror(self.error), path)
+        return super().open(path, flags, mode)
+
+
+@pytest.mark.parametrize(
+    ("error", "kept"),
+    [(errno.EMFILE, True), (errno.ENOMEM, True), (errno.EIO, False)],
+    ids=["EMFILE", "ENOMEM", "EIO"],
+)
+def test_a_failed_read_says_whether_this_rank_still_holds_the_chunk(
+    make_worker: Callable[..., Worker], error: int, kept: bool
+) -> None:
+    """Every failed read fails the load; the report says whether the chunk is gone on
+    this rank (1: EIO deleted it, as a corrupt or absent one is) or kept (KEPT: a
+    transient error), so the scheduler drops only what is gone."""
+    from kvferry.connector._metadata import KEPT
+
+    ops = ReadOpenFails(key(1), error)
+    w = make_worker(ops=ops)
+    write_down(w, 1, [key(0), key(1)], [0, 1])
+    ops.armed = True
+    w.side.start_load_kv(load_meta(2, "r", [7, 8], w.rows(2) + w.rows(3), [key(0), key(1)], [2, 3]))
+    seen = drive(w.side, lambda s: "r" in s.recving)
+    assert seen.acks == {2: [1, 1]} and seen.load_errors == {7, 8}
+    assert seen.disk_failed == {2: [0, KEPT if kept else 1]}
+    assert seen.stats["disk_reads_failed"] == 1 and seen.stats["disk_chunks_corrupt"] == 0
+    assert w.side.disk.path_of(key(1)).exists() is kept and (key(1) in w.side.disk) is kept
+
+
 class GatedReads(FileOps):
     """Holds the read of one key's chunk until ``gate`` is set."""
 
@@ -506,6 +546,24 @@ def test_a_changed_layout_deletes_the_namespaces_chunks_before_the_scan(
     side.start_load_kv(load_meta(1, "r", [4], [6], [key(0)], [6]))
     seen = drive(side, lambda s: "r" in s.recving)
     assert seen.disk_failed == {1: [1]} and seen.load_errors == {4}  # a miss, never a load
+
+
+@pytest.mark.parametrize("locked", [True, False])
+def test_clearing_a_namespace_leaves_temporary_files_alone_unless_it_is_held_locked(
+    tmp_path: Path, locked: bool
+) -> None:
+    """Held locked (``flock``), nobody else writes there: a ``.tmp`` is a dead writer's.
+    Without a lock, the namespace is shared and a ``.tmp`` may be another engine's write
+    in flight (the scan deletes it once stale)."""
+    from kvferry.connector._worker import clear_chunk_files
+
+    fan = tmp_path / "00"
+    fan.mkdir()
+    chunk, tmp = fan / (key(1).hex() + ".kvc"), fan / (key(2).hex() + ".1.0.tmp")
+    for f in (chunk, tmp):
+        f.write_bytes(b"x")
+    assert clear_chunk_files(tmp_path, temp=locked) == (2 if locked else 1)
+    assert not chunk.exists() and tmp.exists() is not locked
 
 
 def test_the_same_layout_keeps_the_chunks(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import numpy as np
 import pytest
 
@@ -15,6 +16,7 @@ from kvferry._config import DiskTierConfig
 from kvferry.cache import CompleteStore, Demotions, EndDemotions, TakeDemotions, Unpin
 from kvferry.connector._blockinfo import BlockBook
 from kvferry.connector._disk_tier import DiskTier
+from kvferry.connector._metadata import KEPT, KVFerryWorkerMetadata
 from kvferry.connector._requests import JobState
 from kvferry.connector._writes import TierWrites
 from kvferry.tiers._format import file_size
@@ -47,15 +49,21 @@ class Directory:
 
 
 def writes(
-    tmp_path: Any, *, write: str = "through", chunks: int = 8
+    tmp_path: Any, *, write: str = "through", chunks: int = 8, world_size: int = 1
 ) -> tuple[TierWrites, Directory]:
     tier = DiskTierConfig(
-        index=0, path=str(tmp_path), bytes_to_use=chunks * file_size(PAYLOAD), write=write
+        index=0,
+        path=str(tmp_path),
+        bytes_to_use=world_size * chunks * file_size(PAYLOAD),
+        write=write,
     )
+    fingerprints = [
+        attrs.evolve(FP, tp_rank=r, tp_world_size=world_size) for r in range(world_size)
+    ]
     directory = Directory()
     ids = iter(range(100, 200))
     w = TierWrites(
-        disk=DiskTier(tier, [FP], PAYLOAD, events=False),
+        disk=DiskTier(tier, fingerprints, PAYLOAD, events=False),
         redis=None,
         book=BlockBook(chunk_tokens=16, hashes_per_chunk=1),
         counts={"disk_chunks_written": 0, "host_blocks_demoted": 0},
@@ -63,7 +71,7 @@ def writes(
         new_job_id=lambda: next(ids),
         tell=directory.told.append,
         ask=directory.ask,
-        world_size=1,
+        world_size=world_size,
         events_enabled=False,
     )
     return w, directory
@@ -161,3 +169,48 @@ def test_without_a_disk_or_redis_write_again_takes_nothing(tmp_path: Any, write:
     load = JobState(job_id=2, req_id="r", is_store=False, slots=slots(3), tokens=16, keys=keys(9))
     assert w.write_again(load).tolist() == [False]
     assert not w.jobs
+
+
+def test_a_chunk_whose_read_failed_leaves_the_disk_tier_only_if_a_rank_lost_it(
+    tmp_path: Any,
+) -> None:
+    """Two ranks, each its own files; a load of three chunks fails. Chunk 1 failed on
+    both with its files kept (EMFILE, say); chunk 2 failed on both, and rank 1's file is
+    gone (corrupt): no longer a hit anywhere, its files deleted on every rank; chunk 3
+    was read on rank 0 and failed, kept, on rank 1. The load fails either way."""
+    w, d = writes(tmp_path, world_size=2)
+    disk = w.disk
+    assert disk is not None
+    w.store_ended(stored(keys(1, 2, 3), slots(5, 6, 7)))
+    write = w.jobs.pop(100)
+    write.disk_failed = np.zeros(3, np.int64)
+    w.write_ended(write)
+    assert disk.ready(keys(1, 2, 3)).all()
+    d.told.clear()
+
+    places = disk.lease(keys(1, 2, 3))  # a lookup's hit, then its load
+    ranks = [
+        KVFerryWorkerMetadata(acks={2: [1, 1]}, disk_failed={2: [KEPT, KEPT, 0]}),
+        KVFerryWorkerMetadata(acks={2: [1, 1]}, disk_failed={2: [KEPT, 1, KEPT]}),
+    ]
+    merged = ranks[0].aggregate(ranks[1])
+    assert isinstance(merged, KVFerryWorkerMetadata)
+    load = JobState(
+        job_id=2,
+        req_id="r",
+        is_store=False,
+        slots=slots(-1, -1, -1),
+        tokens=48,
+        keys=keys(1, 2, 3),
+        disk_keys=keys(1, 2, 3),
+        disk_host_slots=slots(0, 1, 2),
+        disk_slots=places,
+        disk_failed=np.asarray(merged.disk_failed[2], np.int64),
+    )
+    w.reads_ended(load)
+    [failed] = d.told
+    assert isinstance(failed, CompleteStore) and not failed.ok  # none read everywhere
+    assert failed.slots.tolist() == [0, 1, 2]
+    assert disk.ready(keys(1, 2, 3)).tolist() == [True, False, True]
+    assert disk.take_deletes() == list(keys(2))  # on every rank
+    assert disk.dir.statistics().pinned == 0

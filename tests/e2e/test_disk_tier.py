@@ -127,7 +127,9 @@ def check_chunk(path: Path, digest: bytes) -> str:
 
 
 def fingerprint_digest(namespace: Path) -> bytes:
-    return bytes.fromhex(namespace.name)
+    """The digest a namespace stands for: ``<digest>``, or ``<digest>.<n>`` (another
+    engine of that fingerprint ran on the path at the same time)."""
+    return bytes.fromhex(namespace.name.partition(".")[0])
 
 
 def settled_files(

@@ -204,6 +204,7 @@ async def test_scan_through_the_actor_finds_the_chunks_of_a_previous_run(make_st
     slots = pool()
     old = make_store()
     old.write(key(5), slots[5])
+    old.close()  # its engine stopped: the next one takes its namespace
     async with ActorSystem() as system:
         disk = await system.spawn(DiskIOActor(make_store(), slots))
         report = await disk.ask(ScanDisk)

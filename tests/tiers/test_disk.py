@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from kvferry.tiers import (
     Outcome,
     aligned_buffer,
 )
+from kvferry.tiers._disk import TEMP_STALE_S
 
 from .conftest import FP, key, payload
 
@@ -220,19 +222,112 @@ def test_a_writer_killed_mid_chunk_leaves_nothing_that_scans_as_valid(tmp_path: 
     try:
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == "mid-chunk"
-        store_dir = DiskStore(path, 64 << 20, FP).namespace
-        temps = list(store_dir.rglob("*.tmp"))
+        beside = DiskStore(path, 64 << 20, FP)  # the writer holds <digest>: not this one
+        assert beside.locked and beside.namespace.name == f"{FP.digest.hex()}.1"
+        assert list(beside.namespace.rglob("*.tmp")) == []
+        temps = list(path.glob(f"kvferry-v*/{FP.digest.hex()}/*/*.tmp"))
         assert len(temps) == 1 and temps[0].stat().st_size > HEADER_SIZE  # really mid-write
+        assert beside.scan().temp_removed == 0  # nor does it touch the writer's file
+        beside.close()
         proc.send_signal(signal.SIGKILL)
     finally:
         proc.kill()
         proc.wait()
     assert proc.returncode == -signal.SIGKILL
     store = DiskStore(path, 64 << 20, FP)
+    assert store.locked and store.namespace == temps[0].parents[1]  # its lock went with it
     report = store.scan(verify_headers=True)
-    assert report.chunks == 0 and report.temp_removed == 1
+    # Nobody else can write in a namespace held locked: the file is a dead writer's.
+    assert report.chunks == 0 and report.temp_removed == 1 and report.temp_kept == 0
     assert list(store.namespace.rglob("*.tmp")) == [] and len(store) == 0
     assert store.read(key(1), np.zeros(4 << 20, np.uint8)) == Outcome.ABSENT
+
+
+class NoFlock(FileOps):
+    """A file system without ``flock`` (some network file systems): ENOLCK."""
+
+    def flock(self, fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+
+class ScanMidChunk(FileOps):
+    """Once armed, another store on the same path starts and scans while this one's
+    write is mid-chunk (its temporary file made, its bytes not yet written). ``locks``
+    False: a file system without ``flock`` for both."""
+
+    def __init__(self, make_other: Any, *, locks: bool = True) -> None:
+        self.make_other = make_other
+        self.locks = locks
+        self.armed = False
+        self.report: Any = None
+
+    def flock(self, fd: int, operation: int) -> None:
+        if not self.locks:
+            raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+        super().flock(fd, operation)
+
+    def pwritev(self, fd: int, buffers: list[memoryview], offset: int) -> int:
+        if self.armed:
+            self.armed = False
+            self.report = self.make_other().scan()
+        return super().pwritev(fd, buffers, offset)
+
+
+@pytest.mark.parametrize("locks", [True, False], ids=["flock", "no-flock"])
+def test_a_scan_leaves_the_temporary_file_of_a_write_in_flight_alone(
+    make_store: Any, locks: bool
+) -> None:
+    """Two engines of one fingerprint on one path (or a worker started beside a running
+    one): the one that starts scans while the other writes. With ``flock`` it scans a
+    namespace of its own; without, the shared one, where a fresh ``.tmp`` may be a live
+    writer's: deleting it would fail that write (its rename finds nothing)."""
+    ops = ScanMidChunk(lambda: make_store(ops=FileOps() if locks else NoFlock()), locks=locks)
+    writer = make_store(ops=ops)
+    ops.armed = True
+    data = payload(1)
+    assert writer.write(key(1), data) == Outcome.OK
+    assert ops.report.temp_removed == 0 and ops.report.temp_kept == (0 if locks else 1)
+    out = np.zeros_like(data)
+    assert writer.read(key(1), out) == Outcome.OK and np.array_equal(out, data)
+    writer.close()
+    assert make_store().scan().chunks == 1  # the next start finds it
+
+
+def test_without_flock_a_scan_deletes_a_temporary_file_only_once_it_is_stale(
+    make_store: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No ``flock``: engines of one fingerprint share ``<digest>`` (a warning says so).
+    A ``.tmp`` untouched for ``TEMP_STALE_S`` is a dead writer's (a live one writes its
+    whole chunk in far less): deleted. A younger one is left to a later scan."""
+    caplog.set_level(logging.WARNING, logger="kvferry.tiers")
+    store = make_store(ops=NoFlock())
+    assert not store.locked and store.namespace.name == FP.digest.hex()
+    fan = store.path_of(key(1)).parent
+    fresh, stale = fan / f"{key(1).hex()}.1.0.tmp", fan / f"{key(2).hex()}.1.1.tmp"
+    for tmp in (fresh, stale):
+        tmp.write_bytes(bytes(HEADER_SIZE))
+    old = time.time() - TEMP_STALE_S - 1
+    os.utime(stale, (old, old))
+    other = make_store(ops=NoFlock())
+    assert other.namespace == store.namespace  # shared, as without a lock there is no telling
+    report = other.scan()
+    assert report.temp_removed == 1 and report.temp_kept == 1 and report.chunks == 0
+    assert fresh.exists() and not stale.exists()
+    assert len([r for r in caplog.records if "disk_namespace_not_locked" in r.getMessage()]) == 1
+
+
+def test_a_scan_of_a_namespace_held_locked_deletes_every_temporary_file(make_store: Any) -> None:
+    """No other writer can be in a namespace its store holds locked, and the scan runs
+    before the store's first write: every ``.tmp`` is a dead writer's, however young."""
+    first = make_store()
+    fan = first.path_of(key(1)).parent
+    fresh = fan / f"{key(1).hex()}.1.0.tmp"
+    fresh.write_bytes(bytes(HEADER_SIZE))
+    first.close()
+    store = make_store()
+    assert store.locked and store.namespace == first.namespace
+    report = store.scan()
+    assert report.temp_removed == 1 and report.temp_kept == 0 and not fresh.exists()
 
 
 # ------------------------------------------------------------------ failures
@@ -287,6 +382,129 @@ def test_a_read_error_is_a_counted_miss(make_store: Any) -> None:
     store.write(key(1), payload(1))
     assert store.read(key(1), np.zeros_like(payload(1))) == Outcome.IO_ERROR
     assert store.statistics().read_errors == 1 and key(1) not in store
+
+
+class OpenFailsOnce(FileOps):
+    """Raises ``error`` from the next open of a chunk file for reading, once armed."""
+
+    def __init__(self, error: int) -> None:
+        self.error = error
+        self.armed = False
+
+    def open(self, path: str, flags: int, mode: int = 0o644) -> int:
+        if self.armed and path.endswith(".kvc") and not flags & os.O_CREAT:
+            self.armed = False
+            raise OSError(self.error, os.strerror(self.error))
+        return super().open(path, flags, mode)
+
+
+class ReadFailsOnce(FileOps):
+    """Raises ``error`` from the next preadv, once armed."""
+
+    def __init__(self, error: int) -> None:
+        self.error = error
+        self.armed = False
+
+    def preadv(self, fd: int, buffers: list[memoryview], offset: int) -> int:
+        if self.armed:
+            self.armed = False
+            raise OSError(self.error, os.strerror(self.error))
+        return super().preadv(fd, buffers, offset)
+
+
+def _cases(fails: type[FileOps], errors: list[int]) -> list[Any]:
+    return [
+        pytest.param(fails, e, id=f"{fails.__name__[:4].lower()}-{errno.errorcode[e]}")
+        for e in errors
+    ]
+
+
+@pytest.mark.parametrize(
+    ("fails", "error"),
+    _cases(OpenFailsOnce, [errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EINTR, errno.EAGAIN])
+    + _cases(ReadFailsOnce, [errno.ENOMEM, errno.EINTR, errno.EAGAIN]),
+)
+def test_a_transient_read_error_fails_the_read_and_keeps_the_chunk(
+    make_store: Any, fails: Any, error: int
+) -> None:
+    """No file descriptor or memory left, an interrupted call: nothing is wrong with the
+    file, so the read is a miss (the request recomputes) and the chunk stays a hit."""
+    ops = fails(error)
+    store = make_store(ops=ops)
+    data = payload(1)
+    store.write(key(1), data)
+    ops.armed = True
+    out = np.zeros_like(data)
+    assert store.read(key(1), out) == Outcome.IO_ERROR
+    stats = store.statistics()
+    assert stats.read_errors == 1 and stats.corrupt == 0
+    assert store.path_of(key(1)).exists() and key(1) in store
+    assert stats.used_bytes == store.path_of(key(1)).stat().st_size
+    assert store.read(key(1), out) == Outcome.OK and np.array_equal(out, data)
+
+
+@pytest.mark.parametrize(
+    ("fails", "error"),
+    _cases(OpenFailsOnce, [errno.EIO, errno.EUCLEAN])
+    + _cases(ReadFailsOnce, [errno.EIO, errno.EBADMSG, errno.EUCLEAN]),
+)
+def test_a_read_error_that_says_the_file_is_bad_deletes_the_chunk(
+    make_store: Any, fails: Any, error: int
+) -> None:
+    """A media error, or the file system's own checksum or structure check failing on the
+    file (EFSBADCRC, EFSCORRUPTED): the bytes cannot be read back, the chunk goes."""
+    ops = fails(error)
+    store = make_store(ops=ops)
+    store.write(key(1), payload(1))
+    ops.armed = True
+    assert store.read(key(1), np.zeros_like(payload(1))) == Outcome.IO_ERROR
+    assert store.statistics().read_errors == 1 and store.used_bytes == 0
+    assert not store.path_of(key(1)).exists() and key(1) not in store
+
+
+OUT_OF_FILES = textwrap.dedent(
+    """
+    import errno, os, resource, sys
+    import numpy as np
+    from kvferry.tiers import DiskStore
+    from tests.tiers.conftest import FP, key, payload
+
+    store = DiskStore(sys.argv[1], 64 << 20, FP)
+    data = payload(1)
+    store.write(key(1), data)
+    out = np.zeros_like(data)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 1024), hard))
+    held = []
+    try:
+        while True:  # every descriptor this process may have, taken
+            held.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError as exc:
+        assert exc.errno == errno.EMFILE, exc
+    first = store.read(key(1), out)
+    exists = store.path_of(key(1)).exists()
+    os.close(held.pop())
+    second = store.read(key(1), out)
+    print(first.name, exists, second.name, np.array_equal(out, data), flush=True)
+    """
+)
+
+
+def test_a_read_in_a_process_out_of_file_descriptors_keeps_the_chunk(tmp_path: Path) -> None:
+    """A real EMFILE (RLIMIT_NOFILE lowered, every descriptor taken): the read fails, the
+    chunk stays, and reads once a descriptor is free again."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(
+        [sys.executable, "-c", OUT_OF_FILES, str(tmp_path / "disk")],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=Path(__file__).parents[2],
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["IO_ERROR", "True", "OK", "True"]
 
 
 def test_a_write_whose_directory_fsync_failed_leaves_no_file(make_store: Any) -> None:
@@ -368,6 +586,7 @@ def test_a_new_store_on_the_same_path_finds_what_the_old_one_held(make_store: An
     for i in range(20):
         old.write(key(i), payload(i))
     old.delete(key(3))
+    old.close()  # its engine stops
     new = make_store()
     assert len(new) == 0  # nothing before the scan
     report = new.scan()
@@ -391,6 +610,7 @@ def test_scan_stops_at_its_entry_budget_and_says_so(make_store: Any) -> None:
     old = make_store()
     for i in range(10):
         old.write(key(i), payload(i, 10))
+    old.close()
     report = make_store().scan(max_entries=4)
     assert not report.complete and report.chunks == 4
 
@@ -399,12 +619,15 @@ def test_scan_leaves_other_fingerprints_and_strange_files_alone(make_store: Any)
     other_fp = attrs.evolve(FP, model="another-model")
     other = make_store(fingerprint=other_fp)
     other.write(key(1), payload(1))
+    other.close()
     store = make_store()
     store.write(key(2), payload(2))
     stray = store.path_of(key(2)).parent / "notes.txt"
     stray.write_text("not a chunk")
+    store.close()
     report = make_store().scan()
     assert report.chunks == 1 and report.foreign_namespaces == 1 and report.ignored == 1
+    assert report.sibling_namespaces == 0
     assert stray.exists() and other.path_of(key(1)).exists()
     again = make_store(fingerprint=other_fp)
     assert again.scan().chunks == 1  # the other engine still finds its own
@@ -420,6 +643,7 @@ def test_scan_with_headers_skips_a_foreign_chunk_and_deletes_a_corrupt_one(
     store.write(key(2), payload(2))
     shutil.copyfile(other.path_of(key(1)), store.path_of(key(1)))
     flip_byte(store.path_of(key(2)), 17)
+    store.close()
     report = make_store().scan(verify_headers=True)
     assert report.chunks == 0 and report.foreign_chunks == 1 and report.corrupt_removed == 1
     assert store.path_of(key(1)).exists() and not store.path_of(key(2)).exists()
@@ -429,6 +653,92 @@ def test_scan_deletes_a_chunk_file_of_impossible_size(make_store: Any) -> None:
     store = make_store()
     store.write(key(1), payload(1))
     os.truncate(store.path_of(key(1)), 100)
+    store.close()
     report = make_store().scan()
     assert report.corrupt_removed == 1 and report.chunks == 0
     assert not store.path_of(key(1)).exists()
+
+
+# ------------------------------------------------------------------ engines sharing a path
+
+
+def test_one_engines_eviction_never_deletes_a_chunk_another_engine_holds(
+    make_store: Any,
+) -> None:
+    """Two engines of one fingerprint on one ``path`` (two ``vllm serve`` of one model on
+    a node, data-parallel engines): the same prompt stored by both, then evicted by one.
+    The other still holds its chunk, and reads it."""
+    a, b = make_store(), make_store()
+    data = payload(1)
+    assert a.write(key(1), data) == Outcome.OK
+    assert b.write(key(1), data) == Outcome.OK
+    assert b.delete(key(1))  # b's tier evicts it
+    out = np.zeros_like(data)
+    assert a.read(key(1), out) == Outcome.OK and np.array_equal(out, data)
+
+
+def test_a_restarted_engine_indexes_its_own_chunks_not_a_running_neighbours(
+    make_store: Any,
+) -> None:
+    """``bytes_to_use`` of two chunks each: an engine restarted beside a running one
+    finds the chunks of its previous run, within its own ``bytes_to_use``, and leaves
+    the other's alone."""
+    from kvferry.tiers._format import file_size
+
+    size = 2 * file_size(len(payload(0)))
+    a, b = make_store(bytes_to_use=size), make_store(bytes_to_use=size)
+    for i in (1, 2):
+        assert a.write(key(i), payload(i)) == Outcome.OK
+    for i in (3, 4):
+        assert b.write(key(i), payload(i)) == Outcome.OK
+    del b  # its engine stops (its process ends)
+    again = make_store(bytes_to_use=size)
+    report = again.scan()
+    assert sorted(again.keys()) == [key(3), key(4)]
+    assert report.chunks == 2 and again.used_bytes <= size
+    assert sorted(a.keys()) == [key(1), key(2)]
+    out = np.zeros_like(payload(1))
+    assert a.read(key(1), out) == Outcome.OK and np.array_equal(out, payload(1))
+
+
+def test_a_second_store_of_one_fingerprint_takes_the_next_namespace_and_a_restart_the_first(
+    make_store: Any,
+) -> None:
+    """``flock`` conflicts between two opens even in one process: the second store takes
+    ``<digest>.1``; once the first closed, a new store takes ``<digest>`` again and finds
+    its chunks. Siblings are counted as such, not as other fingerprints'."""
+    base = FP.digest.hex()
+    first, second = make_store(), make_store()
+    assert first.locked and second.locked
+    assert (first.namespace.name, second.namespace.name) == (base, f"{base}.1")
+    assert first.write(key(1), payload(1)) == Outcome.OK
+    first.close()
+    first.close()  # idempotent
+    again = make_store()
+    assert again.namespace == first.namespace
+    report = again.scan()
+    assert again.keys() == [key(1)]
+    assert report.sibling_namespaces == 1 and report.foreign_namespaces == 0
+    third = make_store()  # both held: the next one
+    assert third.namespace.name == f"{base}.2"
+    assert (third.namespace / "fingerprint.json").exists()
+
+
+def test_an_attached_store_scans_the_namespace_its_owner_holds(make_store: Any) -> None:
+    """The scheduler side scans, without locking, the namespace its engine's worker took:
+    the one whose lock reads its owner; else the one a store of this process took last;
+    else ``<digest>``."""
+    base = FP.digest.hex()
+    theirs, ours = make_store(owner="engine-2"), make_store(owner="engine-1")
+    assert ours.namespace.name == f"{base}.1"
+    for store, k in ((theirs, key(1)), (ours, key(2))):
+        assert store.write(k, payload(1)) == Outcome.OK
+    found = make_store(owner="engine-1", attach=True)
+    assert not found.locked and found.namespace == ours.namespace
+    assert found.scan().chunks == 1 and found.keys() == [key(2)]
+    assert make_store(owner="engine-2", attach=True).namespace == theirs.namespace
+    assert make_store(owner="engine-9", attach=True).namespace == ours.namespace  # taken last
+    theirs.close()
+    ours.close()
+    assert make_store(owner="engine-9", attach=True).namespace.name == base
+    assert make_store().namespace.name == base  # attaching locked nothing
