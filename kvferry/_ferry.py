@@ -261,7 +261,12 @@ class Ferry:
             try:
                 result = await self._run(load, "load", blocks, slots)
             finally:
-                await directory.tell(CompleteLoad(slots=slots))  # unpin
+                try:
+                    await directory.tell(CompleteLoad(slots=slots))  # unpin
+                except ActorStopped:
+                    # The Ferry is stopping and its directory has stopped: no pin outlives
+                    # it, and the load's own outcome (its copy ended) still stands.
+                    pass
         if not result.ok:
             raise TransferError(f"load of {len(slots)} blocks failed: {result.error}")
 
