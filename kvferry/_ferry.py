@@ -110,13 +110,12 @@ class Ferry:
         # A deadline that is not a finite number fails every job at once (<= 0), never
         # (NaN), or crashes the copy actor on every job (a string); a stop timeout of NaN
         # fails the exit.
-        for name, value, floor in (
-            ("job_timeout_s", job_timeout_s, "> 0"),
-            ("stop_timeout_s", stop_timeout_s, ">= 0"),
-        ):
-            number = _finite(value)
-            if number is None or (number <= 0 if floor == "> 0" else number < 0):
-                raise ValueError(f"{name} must be a finite number {floor}, got {value!r}")
+        job_timeout = _finite(job_timeout_s)
+        if job_timeout is None or job_timeout <= 0:
+            raise ValueError(f"job_timeout_s must be a finite number > 0, got {job_timeout_s!r}")
+        stop_timeout = _finite(stop_timeout_s)
+        if stop_timeout is None or stop_timeout < 0:
+            raise ValueError(f"stop_timeout_s must be a finite number >= 0, got {stop_timeout_s!r}")
         if not isinstance(kv_caches, Mapping):
             kv_caches = {f"layer.{i}": t for i, t in enumerate(kv_caches)}
         self.layout: KVLayout = describe_kv_caches(

@@ -367,18 +367,17 @@ def test_close_is_bounded_after_an_ask_timed_out_on_a_full_mailbox(kind: str) ->
     assert report == ShutdownReport(timed_out=("counter",))
 
 
-def test_close_fails_a_tell_still_waiting_for_room() -> None:
-    runtime, ref = start_runtime("thread", spawn_counter, stop_timeout_s=0.2)
-    gate = runtime.call(_make_event)  # never set
-    for _ in range(3):
-        runtime.tell(ref, Block(gate=gate))
-    teller_waits = threading.Event()
+def _tell_waiting_for_room(
+    runtime: ThreadRuntime, ref: ActorRef[Msg], msg: Msg
+) -> tuple[threading.Thread, list[BaseException | None]]:
+    """``runtime.tell(ref, msg)`` from a thread of its own, returned once the tell waits
+    for room in the full mailbox (in a delivery task); its outcome (None: delivered) is
+    appended to the list when it ends."""
     outcome: list[BaseException | None] = []
 
     def teller() -> None:
-        teller_waits.set()
         try:
-            runtime.tell(ref, Add(n=1))  # waits for room, in a delivery task
+            runtime.tell(ref, msg)
         except ActorStopped as exc:
             outcome.append(exc)
         else:
@@ -386,13 +385,21 @@ def test_close_fails_a_tell_still_waiting_for_room() -> None:
 
     thread = threading.Thread(target=teller, daemon=True)
     thread.start()
-    assert teller_waits.wait(5.0)
 
     async def wait_parked() -> None:
         while not ref.statistics().senders_waiting:
             await anyio.wait_all_tasks_blocked()
 
-    runtime.call(wait_parked)
+    _bounded(lambda: runtime.call(wait_parked))
+    return thread, outcome
+
+
+def test_close_fails_a_tell_still_waiting_for_room() -> None:
+    runtime, ref = start_runtime("thread", spawn_counter, stop_timeout_s=0.2)
+    gate = runtime.call(_make_event)  # never set
+    for _ in range(3):
+        runtime.tell(ref, Block(gate=gate))
+    thread, outcome = _tell_waiting_for_room(runtime, ref, Add(n=1))
     report = _bounded(runtime.close)
     thread.join(5.0)
     assert report == ShutdownReport(timed_out=("counter",))
@@ -431,24 +438,7 @@ def test_a_tell_the_actor_takes_in_as_the_runtime_closes_is_delivered() -> None:
     runtime.tell(ref, Block(gate=gate))
     runtime.tell(ref, Add(n=1))
     runtime.tell(ref, Add(n=2))  # queued behind the Block: the mailbox is full
-    outcome: list[BaseException | None] = []
-
-    def teller() -> None:
-        try:
-            runtime.tell(ref, Add(n=4))  # waits for room, in a delivery task
-        except ActorStopped as exc:
-            outcome.append(exc)
-        else:
-            outcome.append(None)
-
-    thread = threading.Thread(target=teller, daemon=True)
-    thread.start()
-
-    async def wait_parked() -> None:
-        while not ref.statistics().senders_waiting:
-            await anyio.wait_all_tasks_blocked()
-
-    _bounded(lambda: runtime.call(wait_parked))
+    thread, outcome = _tell_waiting_for_room(runtime, ref, Add(n=4))
     holding = threading.Event()
 
     async def hold_the_loop() -> None:
