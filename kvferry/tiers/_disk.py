@@ -19,6 +19,28 @@ EOPNOTSUPP on some network file systems) the store warns once and uses ``<digest
 without a lock, shared as before. The scheduler side scans the namespace its worker
 took without locking it (``attach``: see :meth:`DiskStore.__init__`).
 
+A namespace outlives its engine: when two engines of a fingerprint on ``path`` become
+one, ``<digest>.1`` keeps up to ``bytes_to_use`` of chunks nobody takes again. Its
+``lock`` file's mtime says when a store last took it or let it go (touched then), its fan
+directories' when a chunk was last written or deleted there; a store holding its own
+namespace locked, when it scans at start, reclaims every other namespace of its
+fingerprint that nobody holds (it takes the ``flock`` itself, non-blocking, and holds it
+while it deletes: no engine can take it meanwhile) and that has been idle for
+:data:`STALE_NAMESPACE_S` (a day): its files, then its ``lock`` file, its directory, and
+only then the ``flock``. A store taking a namespace checks, once it holds the ``flock``,
+that the ``lock`` file at the path is still the one it locked (one opened before a
+reclaim removed it is not), and else opens it afresh. A store without a lock (no
+``flock`` on the file system, or attached) reclaims nothing.
+
+Forks: the ``flock`` belongs to the open file description, which a child forked without
+exec shares (vLLM, torch and multiprocessing fork workers): the lock would stay held
+while the child lives, after the store closed or its process died, and a restarted
+engine would take a sibling (its chunks orphaned). The lock's descriptor is opened with
+``O_CLOEXEC``, and a forked child closes its copy at once (``os.register_at_fork``): the
+child holds no namespace (its copy of the store reads ``locked`` False), the parent's
+lock is unchanged. A fork done in C without Python's fork hooks (not ``os.fork``,
+``multiprocessing``, ``subprocess``) still shares it until the child execs or exits.
+
 ``<fan>`` is 2 hex digits of the key's xxh3_64: 256 directories, made at start (once:
 they persist), so a directory holds about ``chunks / 256`` entries (4096 for a million
 chunks, 2 TB of 2 MiB chunks; ext4 indexes directories). Making a directory on a chunk's
@@ -122,7 +144,25 @@ the store holds locked, ``scan`` deletes every ``.tmp`` at once."""
 
 LOCK_FILE = "lock"
 """In a namespace: the file whose ``flock`` its store holds; it reads the holder's
-``owner`` (see :class:`DiskStore`)."""
+``owner`` (see :class:`DiskStore`). Its mtime is when a store last took or let go of the
+namespace."""
+
+STALE_NAMESPACE_S = 24 * 3600.0
+"""A namespace of our fingerprint that nobody holds locked, that no store took or let go
+of (its ``lock`` file's mtime) and no chunk was written into or deleted from (its fan
+directories' mtimes) for this long, is left by an engine that no longer runs on ``path``
+(two engines of a fingerprint became one, a data-parallel size shrank): a store holding
+its own namespace reclaims it at its start scan, freeing up to that engine's
+``bytes_to_use``. A day: an engine restarted within it (a redeploy, a crash loop, a node
+reboot, a failure fixed the next morning) takes its namespace again and finds its
+chunks; a prefix cache a day old is worth less than the disk it holds, and a day later
+the engines on ``path`` most likely stay fewer. The fan directories count too: an
+engine killed after a long run (no ``close``, its ``lock`` file as old as its start) is
+not stale while it wrote within the day. Read at each scan (tests change it)."""
+
+_RETAKES = 8
+"""Attempts to lock one namespace whose ``lock`` file (or directory) a reclaim removes
+meanwhile, before :meth:`DiskStore.__init__` gives up (each needs another reclaim)."""
 
 MAX_NAMESPACES = 256
 """Namespaces of one fingerprint on one ``path`` (``<digest>``, ``<digest>.1``, ...):
@@ -135,10 +175,18 @@ _NO_FLOCK_ERRNOS = frozenset(
 
 _BUSY_ERRNOS = frozenset((errno.EWOULDBLOCK, errno.EAGAIN))
 
-_held_lock = threading.Lock()
+_held_lock = threading.RLock()
+"""Guards the three below; held across a fork (see :func:`_after_fork_in_child`).
+Reentrant: a store's finalizer (:func:`_release`) may run in a garbage collection that
+starts inside a section holding it."""
 _held: dict[tuple[str, bytes], list[Path]] = {}
 """(``path`` resolved, digest) -> the namespaces stores of this process hold locked, in
 the order they were taken: where a store that attaches in this process looks first."""
+_lock_fds: dict[int, object] = {}
+"""The ``lock`` files' descriptors this process has open -> a token of their opener (a
+store, or a reclaim's probe): what a forked child closes. Keyed by descriptor, not by
+store, so that it keeps no store alive; the token tells a closer whether the number is
+still its descriptor (a child closed it, and may have reused the number since)."""
 _no_flock_warned: set[str] = set()
 """The ``path`` values whose missing ``flock`` was warned about (once each)."""
 
@@ -276,7 +324,15 @@ class ScanReport:
     """Directories of other fingerprints beside ours: not read, not deleted."""
     sibling_namespaces: int
     """Other namespaces of our fingerprint beside ours (``<digest>``, ``<digest>.<n>``:
-    engines of it running on ``path``, or left by earlier ones): not read, not deleted."""
+    engines of it running on ``path``, or left by earlier ones) that stay: not read, not
+    deleted (the reclaimed ones not counted)."""
+    reclaimed_namespaces: int
+    """Other namespaces of our fingerprint nobody held and idle for
+    :data:`STALE_NAMESPACE_S` (left by engines that no longer run): deleted, files and
+    directory (only by a store holding its own namespace locked)."""
+    reclaimed_bytes: int
+    """The chunk and ``.tmp`` files' bytes those reclaims deleted (with those of a
+    reclaim the scan's budget stopped midway: the rest at a later start)."""
     foreign_chunks: int
     """With ``verify_headers``: chunks under our name written by another fingerprint
     (left on disk, not indexed)."""
@@ -365,9 +421,8 @@ class DiskStore:
         self._log = get_logger("kvferry.tiers", tier=tier_index)
         self.root = Path(os.fspath(path))
         self.owner = owner
-        self.locked = False
-        """Whether this store holds its namespace's lock (see the class docstring)."""
         self._lock_fd: int | None = None
+        self._lock_token: object = None
         self._release: Callable[[], object] = lambda: None
         if attach:
             self.namespace = self._attached_namespace()
@@ -416,59 +471,87 @@ class DiskStore:
         """The directory of the namespaces and the base name, ``<digest hex>``."""
         return self.root / f"kvferry-v{FORMAT_VERSION}", self.fingerprint.digest.hex()
 
+    @property
+    def locked(self) -> bool:
+        """Whether this store holds its namespace's lock (see the class docstring): False
+        once closed, and in a child forked since (its copy of the descriptor closed)."""
+        return self._lock_fd is not None and _lock_fds.get(self._lock_fd) is self._lock_token
+
     def _take_namespace(self, path_key: str) -> Path:
         """The first namespace of the fingerprint whose lock this store can hold, made if
-        missing; ``<digest>`` unlocked where the file system has no ``flock``."""
+        missing; ``<digest>`` unlocked where the file system has no ``flock``.
+
+        A ``lock`` file opened just before a reclaim removed it (see :meth:`_reclaim`)
+        can be locked once the reclaim let it go: an unlinked inode, which another store
+        would not see held (it makes a new ``lock``), so two would share the namespace.
+        Hence, once locked, the file at the path must still be the one locked; if not,
+        or if the directory went between its ``mkdir`` and the ``open``, again."""
         parent, base = self._namespaces()
         for n in range(MAX_NAMESPACES):
             namespace = parent / (base if n == 0 else f"{base}.{n}")
-            try:
-                namespace.mkdir(parents=True, exist_ok=True)
-                fd = os.open(namespace / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-            except OSError as exc:
-                raise ConfigError(path_key, f"cannot create {namespace}: {exc}") from exc
-            try:
-                self._ops.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as exc:
-                if exc.errno in _BUSY_ERRNOS:
-                    os.close(fd)  # another engine's: the next one
-                    continue
-                if exc.errno not in _NO_FLOCK_ERRNOS:
-                    os.close(fd)
-                    raise ConfigError(path_key, f"cannot lock {namespace}: {exc}") from exc
-                self._write_owner(fd)
-                os.close(fd)
-                with _held_lock:
-                    first = str(self.root) not in _no_flock_warned
-                    _no_flock_warned.add(str(self.root))
-                (self._log.warning if first else self._log.debug)(
-                    "disk_namespace_not_locked",
-                    path=str(namespace),
-                    error=repr(exc),
-                    note="the file system has no flock: engines of one fingerprint on "
-                    "this path share this namespace (and each other's chunks); "
-                    "logged once",
+            lock_path = namespace / LOCK_FILE
+            for _ in range(_RETAKES):
+                try:
+                    namespace.mkdir(parents=True, exist_ok=True)
+                    fd, token = _open_lock(lock_path, create=True)
+                except FileNotFoundError:
+                    continue  # reclaimed meanwhile: made again
+                except OSError as exc:
+                    raise ConfigError(path_key, f"cannot create {namespace}: {exc}") from exc
+                try:
+                    self._ops.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError as exc:
+                    if exc.errno in _BUSY_ERRNOS:
+                        _close_lock(fd, token)
+                        break  # another engine's (or being reclaimed): the next one
+                    if exc.errno not in _NO_FLOCK_ERRNOS:
+                        _close_lock(fd, token)
+                        raise ConfigError(path_key, f"cannot lock {namespace}: {exc}") from exc
+                    self._write_owner(fd)
+                    _close_lock(fd, token)
+                    with _held_lock:
+                        first = str(self.root) not in _no_flock_warned
+                        _no_flock_warned.add(str(self.root))
+                    (self._log.warning if first else self._log.debug)(
+                        "disk_namespace_not_locked",
+                        path=str(namespace),
+                        error=repr(exc),
+                        note="the file system has no flock: engines of one fingerprint on "
+                        "this path share this namespace (and each other's chunks); "
+                        "logged once",
+                    )
+                    return namespace
+                if _is_at(fd, lock_path):
+                    self._hold(namespace, fd, token)
+                    if n:
+                        self._log.info(
+                            "disk_namespace_taken",
+                            path=str(namespace),
+                            note="the ones before it are held by other engines of this fingerprint",
+                        )
+                    return namespace
+                _close_lock(fd, token)  # a reclaim removed the file locked: a new one
+            else:
+                raise ConfigError(
+                    path_key,
+                    f"cannot lock {namespace}: its lock file was removed {_RETAKES} times "
+                    "while this store took it",
                 )
-                return namespace
-            self._write_owner(fd)
-            self._lock_fd = fd
-            self.locked = True
-            key = (os.path.realpath(self.root), self.fingerprint.digest)
-            with _held_lock:
-                _held.setdefault(key, []).append(namespace)
-            self._release = weakref.finalize(self, _release, fd, key, namespace)
-            if n:
-                self._log.info(
-                    "disk_namespace_taken",
-                    path=str(namespace),
-                    note="the ones before it are held by other engines of this fingerprint",
-                )
-            return namespace
         raise ConfigError(
             path_key,
             f"{MAX_NAMESPACES} engines of this fingerprint already hold namespaces under "
             f"{parent} (the first is {base})",
         )
+
+    def _hold(self, namespace: Path, fd: int, token: object) -> None:
+        """Keep ``namespace``'s lock (``fd``, locked) until :meth:`close`."""
+        self._write_owner(fd)
+        _touch(fd)  # taken now: not stale (see STALE_NAMESPACE_S)
+        self._lock_fd, self._lock_token = fd, token
+        key = (os.path.realpath(self.root), self.fingerprint.digest)
+        with _held_lock:
+            _held.setdefault(key, []).append(namespace)
+        self._release = weakref.finalize(self, _release, fd, token, key, namespace)
 
     def _write_owner(self, fd: int) -> None:
         try:
@@ -503,7 +586,6 @@ class DiskStore:
         it, and finds its chunks. Call once no I/O runs any more; idempotent."""
         self._release()
         self._lock_fd = None
-        self.locked = False
 
     def _probe(self, path_key: str, direct: bool | None) -> bool:
         """Whether O_DIRECT works here; a :class:`ConfigError` if nothing can be written."""
@@ -578,6 +660,10 @@ class DiskStore:
         By default it trusts file names and sizes (a ``stat`` per file, no read): every
         read verifies the chunk anyway. ``verify_headers`` also reads each header (one
         aligned block per file), deletes chunks that fail and skips other fingerprints'.
+
+        Then, in the budget's time left, a store holding its namespace locked reclaims
+        the other namespaces of its fingerprint nobody holds and idle for
+        :data:`STALE_NAMESPACE_S` (see :meth:`_reclaim`; ``disk_namespaces_reclaimed``).
         """
         start = time.monotonic()
         last_progress = start
@@ -593,8 +679,8 @@ class DiskStore:
         others = [
             e.name for e in os.scandir(parent) if e.is_dir(follow_symlinks=False) and e.name != own
         ]
-        siblings = sum(1 for name in others if _sibling_index(name, base) is not None)
-        foreign_namespaces = len(others) - siblings
+        siblings = sorted(name for name in others if _sibling_index(name, base) is not None)
+        foreign_namespaces = len(others) - len(siblings)
         for fan, entry in self._entries():
             entries += 1
             now = time.monotonic()
@@ -649,6 +735,10 @@ class DiskStore:
         with self._lock:
             self._index = index
             self._used = sum(index.values())
+        reclaimed: list[str] = []
+        reclaimed_bytes = 0
+        if self.locked and siblings and complete:
+            reclaimed, reclaimed_bytes = self._reclaim(siblings, deadline=start + budget_s)
         report = ScanReport(
             chunks=len(index),
             bytes=self._used,
@@ -656,7 +746,9 @@ class DiskStore:
             temp_kept=temp_kept,
             corrupt_removed=corrupt,
             foreign_namespaces=foreign_namespaces,
-            sibling_namespaces=siblings,
+            sibling_namespaces=len(siblings) - len(reclaimed),
+            reclaimed_namespaces=len(reclaimed),
+            reclaimed_bytes=reclaimed_bytes,
             foreign_chunks=foreign,
             ignored=ignored,
             complete=complete,
@@ -669,6 +761,133 @@ class DiskStore:
                 "disk_tier_over_capacity", used=self._used, capacity=self.capacity_bytes
             )
         return report
+
+    def _reclaim(self, names: list[str], *, deadline: float) -> tuple[list[str], int]:
+        """Delete the namespaces among ``names`` (our fingerprint's, not ours) that nobody
+        holds and that are stale (:meth:`_stale`); the names fully reclaimed, and the
+        bytes of the chunk and ``.tmp`` files deleted. Stops at ``deadline`` (monotonic).
+
+        Each under its ``flock``, taken here (non-blocking: a namespace held is a running
+        engine's, and stays): no store takes it meanwhile. Its files go first, then its
+        ``lock`` file and its directory, and the ``flock`` last: a store that opened the
+        ``lock`` file before it went may lock it afterwards, an unlinked file, and sees
+        that (:meth:`_take_namespace`). A namespace with no ``lock`` file (a store taking
+        it made the directory a moment ago; no ``flock`` here) is not judged."""
+        reclaimed: list[str] = []
+        nbytes = 0
+        complete = True
+        parent = self._namespaces()[0]
+        for name in names:
+            if time.monotonic() > deadline:
+                complete = False
+                break
+            namespace = parent / name
+            lock_path = namespace / LOCK_FILE
+            try:
+                fd, token = _open_lock(lock_path, create=False)
+            except OSError:
+                continue
+            try:
+                try:
+                    self._ops.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    continue  # a running engine's (or no flock: nothing to tell by)
+                last = self._stale(fd, namespace, lock_path)
+                if last is None:
+                    continue
+                try:
+                    deleted, complete = self._empty(namespace, last, deadline)
+                except OSError:
+                    continue  # cannot list it: left as it is
+                nbytes += deleted
+                if not complete:
+                    break  # the rest at a later start: still stale (see _empty)
+                try:
+                    os.unlink(lock_path)
+                    os.rmdir(namespace)
+                except OSError:
+                    pass  # a file not ours left in it: the directory stays, unlocked
+                reclaimed.append(name)
+            finally:
+                _close_lock(fd, token)
+        if reclaimed or nbytes:
+            self._log.info(
+                "disk_namespaces_reclaimed",
+                namespaces=reclaimed,
+                bytes=nbytes,
+                complete=complete,
+                stale_after_s=STALE_NAMESPACE_S,
+                note="namespaces of this fingerprint nobody held, idle for stale_after_s: "
+                "left by engines that no longer run on this path",
+            )
+        return reclaimed, nbytes
+
+    @staticmethod
+    def _stale(fd: int, namespace: Path, lock_path: Path) -> float | None:
+        """The newest of the ``lock`` file's (``fd``, locked) and the fan directories'
+        mtimes, if it is :data:`STALE_NAMESPACE_S` old and the file at ``lock_path`` is
+        still ``fd``'s (not reclaimed by another store meanwhile); else None."""
+        if not _is_at(fd, lock_path):
+            return None
+        try:
+            times = [os.fstat(fd).st_mtime]
+            with os.scandir(namespace) as top:
+                for entry in top:
+                    if entry.is_dir(follow_symlinks=False):
+                        times.append(entry.stat(follow_symlinks=False).st_mtime)
+        except OSError:
+            return None
+        last = max(times)
+        return last if last < time.time() - STALE_NAMESPACE_S else None
+
+    def _empty(self, namespace: Path, last: float, deadline: float) -> tuple[int, bool]:
+        """Delete a stale namespace's files (its ``lock`` file aside): chunk and ``.tmp``
+        files in the fan directories, then those directories; at its top, its
+        descriptions (``fingerprint.json``, the connector's ``layout.json``) and their
+        temporaries. Files of other names, and other directories, stay (then so does the
+        namespace's directory). The bytes of the chunk and ``.tmp`` files deleted, and
+        whether all was done before ``deadline``; a fan directory left behind gets its
+        mtime ``last`` back (the deletes changed it), so the namespace stays stale."""
+        nbytes = 0
+        with os.scandir(namespace) as top:
+            entries = list(top)
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                if len(entry.name) != FANOUT_HEX_DIGITS:
+                    continue
+                done = True
+                try:
+                    with os.scandir(entry.path) as it:
+                        files = list(it)
+                except OSError:
+                    files = []
+                for file in files:
+                    if time.monotonic() > deadline:
+                        done = False
+                        break
+                    if not file.name.endswith((_SUFFIX, _TEMP_SUFFIX)):
+                        continue
+                    try:
+                        size = file.stat(follow_symlinks=False).st_size
+                        self._ops.unlink(file.path)
+                    except OSError:
+                        continue
+                    nbytes += size
+                try:
+                    os.rmdir(entry.path)
+                except OSError:
+                    try:
+                        os.utime(entry.path, (last, last))
+                    except OSError:
+                        pass
+                if not done:
+                    return nbytes, False
+            elif entry.name != LOCK_FILE and entry.name.endswith((".json", _TEMP_SUFFIX)):
+                try:
+                    os.unlink(entry.path)
+                except OSError:
+                    pass
+        return nbytes, True
 
     def _entries(self) -> Iterator[tuple[str, os.DirEntry[str]]]:
         for fan in sorted(os.scandir(self.namespace), key=lambda e: e.name):
@@ -1001,24 +1220,103 @@ def _sibling_index(name: str, base: str) -> int | None:
     return int(n)
 
 
-def _release(fd: int | None, key: tuple[str, bytes] | None, namespace: Path | None) -> None:
-    """Let a namespace go: its lock (closing the descriptor) and this process's record."""
-    if key is not None:
-        with _held_lock:
-            held = _held.get(key)
-            if held is not None and namespace in held:
-                held.remove(namespace)
-                if not held:
-                    del _held[key]
-    if fd is not None:
+def _release(fd: int, token: object, key: tuple[str, bytes], namespace: Path) -> None:
+    """Let a namespace go: its lock (closing the descriptor) and this process's record;
+    nothing in a child forked since (it closed its copy at the fork)."""
+    with _held_lock:
+        if _lock_fds.get(fd) is not token:
+            return  # a forked child's copy: closed then, the number maybe reused since
+        held = _held.get(key)
+        if held is not None and namespace in held:
+            held.remove(namespace)
+            if not held:
+                del _held[key]
         try:
             os.ftruncate(fd, 0)  # it names no owner any more (still ours: nobody races)
         except OSError:
             pass
+        _touch(fd)  # let go now: not stale (see STALE_NAMESPACE_S)
+        del _lock_fds[fd]
         try:
             os.close(fd)
         except OSError:
             pass
+
+
+def _open_lock(path: Path, *, create: bool) -> tuple[int, object]:
+    """Open a ``lock`` file (made if missing with ``create``): its descriptor, recorded
+    for a forked child to close, and the token that closes it (:func:`_close_lock`).
+    ``O_CLOEXEC``: a child that execs closes it too (Python's default; said here)."""
+    flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0)
+    token = object()
+    with _held_lock:  # a fork waits: no child gets the descriptor unrecorded
+        fd = os.open(path, flags, 0o644)
+        _lock_fds[fd] = token
+    return fd, token
+
+
+def _close_lock(fd: int, token: object) -> None:
+    """Close a descriptor :func:`_open_lock` opened (if still this process's)."""
+    with _held_lock:
+        if _lock_fds.get(fd) is not token:
+            return
+        del _lock_fds[fd]
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _is_at(fd: int, path: Path) -> bool:
+    """Whether ``fd`` is the file at ``path`` (not one a reclaim unlinked since)."""
+    try:
+        at = os.stat(path, follow_symlinks=False)
+        st = os.fstat(fd)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True  # cannot tell: as before reclaims (no reclaim runs where stat fails)
+    return (at.st_dev, at.st_ino) == (st.st_dev, st.st_ino)
+
+
+def _touch(fd: int) -> None:
+    """Set a ``lock`` file's mtime to now (when its namespace was taken or let go)."""
+    try:
+        os.utime(fd)
+    except (OSError, NotImplementedError):
+        pass  # then only the writes' directories say it is in use
+
+
+def _before_fork() -> None:
+    _held_lock.acquire()
+
+
+def _after_fork_in_parent() -> None:
+    _held_lock.release()
+
+
+def _after_fork_in_child() -> None:
+    """In a child forked without exec: close its copies of the lock descriptors. A
+    ``flock`` belongs to the open file description both share: while the child kept one,
+    the namespace stayed locked after the parent's store closed or its process died.
+    Closing the child's copy leaves the parent's lock as it was. The child holds no
+    namespace: its stores read ``locked`` False and their finalizers close nothing."""
+    for fd in list(_lock_fds):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _lock_fds.clear()
+    _held.clear()
+    _held_lock.release()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(
+        before=_before_fork,
+        after_in_parent=_after_fork_in_parent,
+        after_in_child=_after_fork_in_child,
+    )
 
 
 def _fan(key: bytes) -> str:
