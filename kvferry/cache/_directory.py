@@ -278,6 +278,9 @@ class Directory:
         """The medium its events name ("CPU" for host memory, "DISK" for the disk tier)."""
         self.write_back = write_back
         self._demoting: list[int] = []  # evicted, not yet taken by take_demotions()
+        # DEMOTING slots taken by take_demotions() and not yet ended (a flag a slot, and
+        # the FREE sentinel's, never set): only those may end_demotions() free.
+        self._handed = np.zeros(num_slots + 1 if write_back else 0, np.bool_)
         self._num_demoting = 0  # DEMOTING slots, taken or not
         self.lookups = self.hits = self.misses = 0
         self.stores_prepared = self.stores_skipped_present = self.stores_skipped_full = 0
@@ -932,18 +935,47 @@ class Directory:
         if not held.all():
             self._end(taken[~held])
             taken = taken[held]
+        self._handed_out()[taken] = True
         return taken, self._index.keys_of(taken)
 
     def end_demotions(self, slots: npt.ArrayLike) -> None:
-        """Free DEMOTING slots taken by :meth:`take_demotions` (written down or not)."""
+        """Free DEMOTING slots taken by :meth:`take_demotions` (written down or not).
+
+        Any other slot is a caller's bug, reported and left alone: one not DEMOTING, and
+        one DEMOTING that was not handed out yet (freed now, it could be stored again
+        while still listed, and the next :meth:`take_demotions` would hand out a slot
+        holding another key, to be written down under it and freed twice).
+        """
         arr = np.asarray(slots, np.int64)
         if not len(arr):
             return
         in_range = (arr >= 0) & (arr < self.num_slots)
-        ok = in_range & (self._state[np.where(in_range, arr, -1)] == DEMOTING)
+        at = np.where(in_range, arr, -1)  # out of range: the sentinel (FREE, not handed)
+        demoting = self._state[at] == DEMOTING
+        handed = self._handed_out()
+        ok = demoting & handed[at]
         if not ok.all():
-            self._broken("end_demotion_of_a_slot_not_demoting", "skipped", slots=arr[~ok].tolist())
-        self._end(np.unique(arr[ok]))
+            if not demoting.all():
+                self._broken(
+                    "end_demotion_of_a_slot_not_demoting", "skipped", slots=arr[~demoting].tolist()
+                )
+            if not (ok | ~demoting).all():
+                self._broken(
+                    "end_demotion_of_a_slot_not_taken",
+                    "skipped",
+                    slots=arr[demoting & ~ok].tolist(),
+                )
+            arr = arr[ok]
+        done = np.unique(arr)
+        handed[done] = False
+        self._end(done)
+
+    def _handed_out(self) -> npt.NDArray[np.bool_]:
+        """The flags of slots handed out by :meth:`take_demotions` (allocated here if
+        ``write_back`` was turned on after the directory was made)."""
+        if len(self._handed) <= self.num_slots:
+            self._handed = np.zeros(self.num_slots + 1, np.bool_)
+        return self._handed
 
     def _end(self, slots: I64) -> None:
         if len(slots):

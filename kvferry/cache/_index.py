@@ -206,7 +206,11 @@ class KeyIndex:
         """Search on for ``key`` (of the compact length) past cell ``p`` (not it)."""
         ncells, cells, over, starts = self._ncells, self._cm, self._om, self._kb.startswith
         length = self.key_len or 0
-        while over[p]:
+        # Once round at most (as the kernel): where every cell was passed (counts that
+        # saturated stay), an absent key's chain is a cycle.
+        for _ in range(ncells - 1):
+            if not over[p]:
+                break
             p = p + 1 if p + 1 < ncells else 0
             s = cells[p]
             if starts(key, s * length):

@@ -423,7 +423,11 @@ def _compile(numba: Any) -> SimpleNamespace:
                 continue
             p = homes[i]
             found = -1
-            while over[p] != 0:  # a key passed this cell: search on
+            # On while a key passed the cell, once round at most: where every cell was
+            # passed (counts that saturated stay), an absent key's chain is a cycle.
+            for _ in range(ncells - 1):
+                if over[p] == 0:
+                    break
                 p = p + 1 if p + 1 < ncells else 0
                 if _same_key(kb, cells[p], keys, at, words):
                     found = cells[p]

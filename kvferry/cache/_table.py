@@ -132,7 +132,11 @@ class TagTable:
         hit: npt.NDArray[np.bool_] = (self._rows(home) == tags2).view("<u8").ravel() != 0
         todo = (~hit & (self._over[home] > 0)).nonzero()[0]
         bucket = home[todo]
-        while len(todo):
+        # At most every bucket once, as the kernel: where every bucket has overflowed
+        # (reachable at a high ``max_load``), an absent tag's chain is a cycle.
+        for _ in range(self._nb - 1):
+            if not len(todo):
+                break
             bucket = (bucket + 1) % self._nb
             found = (self._rows(bucket) == tags2[todo]).view("<u8").ravel() != 0
             hit[todo[found]] = True
@@ -158,7 +162,9 @@ class TagTable:
         todo = np.flatnonzero(~hit)
         todo = todo[self._over[home[todo]] > 0]
         bucket = home
-        while len(todo):
+        for _ in range(self._nb - 1):  # at most every bucket once (see contains)
+            if not len(todo):
+                break
             bucket[todo] = (bucket[todo] + 1) % self._nb
             b = bucket[todo]
             hit, col = _first_set(self._rows(b) == tags[todo, None])
@@ -179,10 +185,10 @@ class TagTable:
         n = len(tags)
         if self.size + n > self.capacity:
             raise OverflowError(f"TagTable of {self.capacity} entries: {self.size} + {n}")
+        if vals.ndim == 0:  # one value for every tag
+            vals = np.full(n, vals, np.int32)
         if self._k is not None:
             placed = np.empty(n, np.int64)
-            if vals.ndim == 0:
-                vals = np.full(n, vals, np.int32)
             self._k.table_insert(self._ft, self._fv, self._over, self._nb, tags, vals, placed)
             self.size += n
             return placed
@@ -190,7 +196,12 @@ class TagTable:
         pos = np.empty(n, np.int64)
         todo = np.arange(n)
         flat_tags, flat_vals = self._tags.reshape(-1), self._vals.reshape(-1)
-        while len(todo):
+        # Each tag finds its cell within ``nb`` rounds where there is room: a bucket it
+        # could not enter is full after that round. Bounded all the same, so that a table
+        # whose cells disagree with its size raises instead of probing forever.
+        for _ in range(self._nb):
+            if not len(todo):
+                break
             b = bucket[todo]
             m = len(b)
             # The round's tags by bucket, ties in their order: one sort of bucket * m + i
@@ -222,6 +233,8 @@ class TagTable:
             if len(todo):
                 np.add.at(self._over, bucket[todo], 1)
                 bucket[todo] = (bucket[todo] + 1) % self._nb
+        if len(todo):
+            raise OverflowError(f"TagTable.insert: no free cell for {len(todo)} of {n} tags")
         self.size += n
         return pos
 

@@ -5,6 +5,11 @@ chains of ``map`` and with its kernels (``compiled``)."""
 from __future__ import annotations
 
 import hashlib
+import inspect
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -309,3 +314,60 @@ def test_the_directory_reports_a_slot_it_unindexes_without_a_key() -> None:
     d._unindex(slots)
     assert d.invariant_errors == before + 1
     assert d._index.size == 0
+
+
+def _every_cell_passed(compiled: bool) -> tuple[KeyIndex, dict[bytes, int], list[bytes]]:
+    """An index of 6 keys in 7 cells where every cell, the empty one too, was passed by a
+    live key (each overflow count above zero): the homes are chosen by ``digest``."""
+    homes: dict[bytes, int] = {}
+    keys = [hashlib.sha256(i.to_bytes(8, "big")).digest() + bytes(4) for i in range(10)]
+    index = KeyIndex(6, max_load=0.9, digest=lambda k: homes[k], compiled=compiled)
+    assert index._ncells == 7
+    ref: dict[bytes, int] = {}
+
+    def put(i: int, home: int, slot: int) -> None:
+        homes[keys[i]] = home
+        index.insert([keys[i]], [slot])
+        ref[keys[i]] = slot
+
+    def drop(i: int) -> None:
+        index.remove([ref.pop(keys[i])])
+
+    for i in range(6):
+        put(i, 0, i)  # cells 0-5, each passing the ones before
+    drop(0)  # cell 0 empty
+    put(6, 5, 0)  # passes 5, into 6
+    drop(1)  # cell 1 empty (still passed by keys 2-5)
+    put(7, 6, 1)  # passes 6, into 0
+    homes[keys[8]] = 2  # absent: its chain is the whole ring
+    return index, ref, keys
+
+
+@both
+def test_a_probe_ends_where_every_cell_was_passed(compiled: bool) -> None:
+    """Overflow counts never fall back while their keys live, and saturated ones never:
+    every cell can be passed, an empty one too. A lookup of an absent key ends (once round
+    the ring at most, in the kernel and in the chains of map alike) and answers as a dict.
+    Run in a fresh interpreter: a probe that never ends fails the test."""
+    code = (
+        "import hashlib, json\n"
+        "from kvferry.cache._index import KeyIndex\n"
+        + inspect.getsource(_every_cell_passed)
+        + f"index, ref, keys = _every_cell_passed({compiled})\n"
+        "index.recent_keys = 0\n"
+        "print(json.dumps({'over': index._over.tolist(), 'found': index.find(keys[:9]),\n"
+        "    'array': index.find_array(keys[:9]).tolist(),\n"
+        "    'ref': [ref.get(k, -1) for k in keys[:9]]}))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    out = json.loads(done.stdout)
+    assert all(out["over"]), out["over"]  # the state meant: every cell passed
+    assert out["found"] == out["ref"] and out["array"] == out["ref"]
+    assert out["ref"][8] == -1 and out["ref"][0] == -1  # absent keys asked

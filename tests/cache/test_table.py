@@ -3,7 +3,12 @@ and compiled (numba, where installed)."""
 
 from __future__ import annotations
 
+import inspect
+import json
+import subprocess
+import sys
 from collections import OrderedDict
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -212,3 +217,84 @@ def test_a_ring_full_of_holes_is_squeezed_in_place(compiled: bool) -> None:
         assert (idx >= 0).all() and q.payload(idx).tolist() == list(ref.values())
         assert len(q) == len(ref)
     assert squeezed >= 2 and q._table is table  # squeezed, never rebuilt
+
+
+def _every_bucket_overflowed(compiled: bool) -> tuple[TagTable, dict[int, int]]:
+    """Two buckets of 8 (max_load 1.0), each with an overflow count and a free cell: the
+    chain of an absent tag is a cycle, which only the bound of ``nb`` buckets ends."""
+    table = TagTable(16, max_load=1.0, compiled=compiled)
+    nb = table.num_buckets
+    ref: dict[int, int] = {}
+
+    def tag(home: int, i: int) -> int:
+        return ((i * nb + home) << 1) | 1
+
+    def put(t: int) -> None:
+        ref[t] = len(ref)
+        table.insert(np.array([t], np.int64), [ref[t]])
+
+    def drop(t: int) -> None:
+        table.remove_at(table.find(np.array([t], np.int64)))
+        del ref[t]
+
+    for i in range(WIDTH + 1):  # bucket 1 full, one spilled into bucket 0
+        put(tag(1, i))
+    drop(tag(1, 0))  # a cell free in bucket 1
+    for i in range(WIDTH):  # bucket 0 full (with the spilled one), one spilled into 1
+        put(tag(0, i))
+    drop(tag(0, 1))  # not full: a cell free in bucket 0
+    return table, ref
+
+
+def _bounded(code: str, timeout: float = 60) -> str:
+    """Run ``code`` in a fresh interpreter, from the repository root: a probe that never
+    ends fails the test (``TimeoutExpired``) instead of hanging the suite."""
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=True,
+    )
+    return done.stdout
+
+
+@both
+def test_a_probe_ends_where_every_bucket_has_overflowed(compiled: bool) -> None:
+    """Reachable at a high ``max_load``: every bucket's overflow count above zero, a cell
+    free. find and contains of absent tags end (numpy's probes are bounded to ``nb``
+    buckets, as the kernel's are) and answer as a dict, compiled or not."""
+    code = (
+        "import json\nimport numpy as np\n"
+        "from kvferry.cache._table import WIDTH, TagTable\n"
+        + inspect.getsource(_every_bucket_overflowed)
+        + f"table, ref = _every_bucket_overflowed({compiled})\n"
+        "probe = np.array([*ref, *(((i << 1) | 1) for i in range(40))], np.int64)\n"
+        "print(json.dumps({'over': table._over.tolist(), 'size': table.size, 'ref': ref,\n"
+        "    'probe': probe.tolist(), 'values': table.values_at(table.find(probe)).tolist(),\n"
+        "    'contains': table.contains(probe).tolist()}))\n"
+    )
+    out = json.loads(_bounded(code))
+    assert out["over"] == [1, 1] and out["size"] == 2 * WIDTH - 1  # the state meant
+    ref = {int(t): v for t, v in out["ref"].items()}
+    assert out["values"] == [ref.get(t, -1) for t in out["probe"]]
+    assert out["contains"] == [t in ref for t in out["probe"]]
+    assert len(ref) < len(out["probe"])  # absent tags asked too
+
+
+def test_a_numpy_insert_with_no_free_cell_raises_instead_of_probing_forever() -> None:
+    """A table whose size disagrees with its cells (a bug) cannot make insert loop."""
+    code = (
+        "import numpy as np\n"
+        "from kvferry.cache._table import TagTable\n"
+        "table = TagTable(16, max_load=1.0, compiled=False)\n"
+        "table.insert(np.arange(1, 33, 2, dtype=np.int64), np.zeros(16))\n"
+        "table.capacity += 1\n"
+        "try:\n"
+        "    table.insert(np.array([99], np.int64), [0])\n"
+        "except OverflowError:\n"
+        "    print('refused')\n"
+    )
+    assert _bounded(code).split() == ["refused"]

@@ -80,3 +80,26 @@ def test_without_write_back_an_eviction_frees_at_once() -> None:
     full(d, 2)
     assert d.prepare_store([k(5)]).tolist() != [-1]
     assert d.take_demotions()[1] == [] and d.statistics().demoting == 0
+
+
+def test_ending_a_demotion_not_taken_yet_is_a_counted_invariant_error_and_frees_nothing() -> None:
+    """A caller's bug: a DEMOTING slot still listed for take_demotions, ended. Freed, it
+    would be stored again, then handed out by take_demotions under its new key (written
+    down as the evicted block, and freed twice); it is reported and left alone."""
+    d = Directory(4, watermarks=(1.0, 1.0), write_back=True)
+    full(d, 4)
+    d.prepare_store([k(10)])  # evicts one: DEMOTING
+    taken, [first] = d.take_demotions()
+    d.prepare_store([k(11), k(12)])  # evicts another: DEMOTING, listed, not taken
+    [second] = [key for key in map(k, range(4)) if key != first and not d.ready([key])[0]]
+    listed = d.slot_of(second)
+    assert listed is not None and listed not in taken.tolist()
+    d.end_demotions(np.array([*taken.tolist(), listed]))  # the taken one ends, not the other
+    assert d.invariant_errors == 1
+    assert d.used == 3 and d.statistics().demoting == 1
+    assert d.prepare_store([k(13)]).tolist() == [taken[0]]  # the room the first left
+    assert d.prepare_store([k(14)]).tolist() == [-1]  # the second's is still being written
+    slots, keys = d.take_demotions()
+    assert slots.tolist() == [listed] and keys == [second]  # handed out with its own key
+    d.end_demotions(slots)
+    assert d.used == 3 and d.statistics().demoting == 0 and d.invariant_errors == 1
