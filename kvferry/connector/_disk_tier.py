@@ -19,11 +19,12 @@ write owns the file: kept if it ended well everywhere, else deleted).
 At start (warm restart) the files are found by scanning each rank's directory
 (:meth:`~kvferry.tiers.DiskStore.scan`: names and sizes, no reads, a progress line in the
 log); a key held by every rank is READY, one held by some ranks only is deleted. Each
-rank's worker took a namespace of its own (the first free of ``<digest>``,
-``<digest>.1``, ...: another engine of the same fingerprint may run on the same path),
-its lock file naming the engine (:func:`engine_owner`); this side scans that one without
-locking it (``DiskStore(attach=True)``). Every
-read verifies the chunk anyway: a file that went bad since is a miss, never a load.
+rank's worker took a namespace of its own (rank 0 the first free of ``<digest>``,
+``<digest>.1``, ...: another engine of the same fingerprint may run on the same path;
+every other rank the same index of its own family, so that all hold the chunks one
+earlier engine left), its lock file naming the engine (:func:`engine_owner`); this side
+scans that one without locking it (``DiskStore(attach=True)``). Every read verifies the
+chunk anyway: a file that went bad since is a miss, never a load.
 
 A read that failed fails its load (vLLM recomputes); the chunk leaves the tier (its files
 deleted on every rank) only if it is gone on some rank, not for a failure that kept its

@@ -78,6 +78,24 @@ def _attention_backend(vllm_config: VllmConfig) -> str:
     return str(backend if backend is not None else os.environ.get("VLLM_ATTENTION_BACKEND", ""))
 
 
+def disk_leader(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, chunk_tokens: int, rank: int
+) -> Fingerprint | None:
+    """The fingerprint of rank 0, whose disk namespace index worker ``rank`` takes too (see
+    :class:`~kvferry.tiers.DiskStore`, ``leader``), as the scheduler side computes it (it
+    derives every rank's fingerprint from one config: the ranks of a tensor-parallel
+    engine differ only by their rank). None where there is nothing to follow: rank 0, one
+    rank; and where rank 0's namespace cannot be found, so that the rank would only wait
+    for it: with pipeline parallelism (a later stage's KV cache holds other layers, so
+    rank 0's fingerprint is not derived from its config) and for an engine spanning nodes
+    (``nnodes``: rank 0's namespace is on another machine's ``path``)."""
+    parallel = vllm_config.parallel_config
+    nodes = getattr(parallel, "nnodes_within_dp", getattr(parallel, "nnodes", 1))
+    if rank == 0 or parallel.world_size <= 1 or parallel.pipeline_parallel_size > 1 or nodes > 1:
+        return None
+    return disk_fingerprint(vllm_config, kv_cache_config, chunk_tokens, 0)
+
+
 def disk_fingerprint(
     vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, chunk_tokens: int, rank: int
 ) -> Fingerprint:

@@ -96,7 +96,7 @@ from ._disk_tier import engine_owner
 from ._geometry import Geometry, plan_geometry
 from ._metadata import KEPT, DiskWriteSpec, JobSpec, KVFerryMetadata, KVFerryWorkerMetadata
 from ._redis_tier import make_store
-from ._tiers import disk_fingerprint
+from ._tiers import disk_fingerprint, disk_leader
 
 if TYPE_CHECKING:
     import torch
@@ -416,6 +416,11 @@ class WorkerSide:
             fsync=tier.fsync,
             ops=self._disk_ops,
             owner=engine_owner(self.vllm_config),
+            # The other ranks take the namespace index rank 0 took (the scheduler keeps
+            # only the chunks every rank holds).
+            leader=disk_leader(
+                self.vllm_config, self.kv_cache_config, self.geometry.chunk_tokens, parallel.rank
+            ),
         )
         target = store.namespace / LAYOUT_FILE
         try:

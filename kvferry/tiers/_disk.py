@@ -19,6 +19,25 @@ EOPNOTSUPP on some network file systems) the store warns once and uses ``<digest
 without a lock, shared as before. The scheduler side scans the namespace its worker
 took without locking it (``attach``: see :meth:`DiskStore.__init__`).
 
+Ranks of one engine: each tensor-parallel rank has a fingerprint of its own (its own
+bytes), hence its own family of namespaces, and the scheduler keeps only the chunks held
+by every rank (deleting the others). Were each rank to take the first free index of its
+own family, two engines starting at once (a node reboot) could interleave: engine A's
+rank 0 in ``<d0>`` and its rank 1 in ``<d1>.1`` (engine B's rank 1 took ``<d1>``
+first), each holding the chunks of another earlier engine: most of both caches deleted.
+So every rank but the first follows it (``leader``: rank 0's fingerprint): rank 0 takes
+the first free index ``n`` of its family and its ``lock`` names the engine (``owner``);
+rank ``r`` finds, among ``<d0>``, ``<d0>.1``, ..., the namespace whose ``lock`` names
+its ``owner``, and takes the same index ``n`` of its own family, waiting for rank 0 (it
+may start later) up to :data:`FOLLOW_WAIT_S`, polling every :data:`FOLLOW_POLL_S`; with
+its ``<dr>.n`` held by another store, it waits too while that ``lock`` file looks stale
+(a reclaim holds it, and removes it when done). Where it cannot follow (its ``<dr>.n``
+held by a live engine: one of an earlier kvferry, or one whose ranks diverged; or rank 0
+not found, or ``<dr>.n`` not let go, in time) it takes the first free index of its own
+family, as before, and says so (``disk_namespace_not_followed``, a warning naming rank
+0's namespace and the one taken). Where the file system has no ``flock`` nothing is
+followed (every rank uses its ``<digest>``).
+
 A namespace outlives its engine: when two engines of a fingerprint on ``path`` become
 one, ``<digest>.1`` keeps up to ``bytes_to_use`` of chunks nobody takes again. Its
 ``lock`` file's mtime says when a store last took it or let it go (touched then), its fan
@@ -30,7 +49,11 @@ while it deletes: no engine can take it meanwhile) and that has been idle for
 only then the ``flock``. A store taking a namespace checks, once it holds the ``flock``,
 that the ``lock`` file at the path is still the one it locked (one opened before a
 reclaim removed it is not), and else opens it afresh. A store without a lock (no
-``flock`` on the file system, or attached) reclaims nothing.
+``flock`` on the file system, or attached) reclaims nothing. A rank that follows rank 0
+(above) does not reclaim its ``<dr>.n`` while rank 0's ``<d0>.n`` was taken or let go
+within :data:`STALE_NAMESPACE_S` (its ``lock`` file's mtime): an engine whose rank 0
+took ``<d0>.n`` a moment ago has its rank ``r`` about to take ``<dr>.n``, and finds the
+chunks the earlier engine left there, beside rank 0's.
 
 Forks: the ``flock`` belongs to the open file description, which a child forked without
 exec shares (vLLM, torch and multiprocessing fork workers): the lock would stay held
@@ -163,6 +186,15 @@ not stale while it wrote within the day. Read at each scan (tests change it)."""
 _RETAKES = 8
 """Attempts to lock one namespace whose ``lock`` file (or directory) a reclaim removes
 meanwhile, before :meth:`DiskStore.__init__` gives up (each needs another reclaim)."""
+
+FOLLOW_WAIT_S = 60.0
+"""How long a rank that follows rank 0 (see the module docstring) waits for rank 0 to
+take its namespace (ranks start at once, in any order), or for a reclaim to let go of
+the namespace it follows into, before it takes the first free one of its own family.
+Read at each start (tests change it)."""
+
+FOLLOW_POLL_S = 0.05
+"""How often a rank waiting for rank 0's namespace looks again."""
 
 MAX_NAMESPACES = 256
 """Namespaces of one fingerprint on one ``path`` (``<digest>``, ``<digest>.1``, ...):
@@ -388,6 +420,11 @@ class DiskStore:
     ``lock`` reads ``owner``, else the one a store of this process took last, else
     ``<digest>``. :attr:`locked` says whether the store holds its namespace's lock.
 
+    ``leader``: the fingerprint of the engine's rank 0 (on the other ranks of an engine of
+    several; with a non-empty ``owner``): the store takes the sibling index rank 0's store
+    took, waiting for it up to :data:`FOLLOW_WAIT_S` (see the module docstring). ``clock``
+    (monotonic seconds) and ``sleep`` time that wait (tests: no real sleep).
+
     The index is empty until :meth:`scan` (call it once at start, off the event loop).
     """
 
@@ -403,6 +440,9 @@ class DiskStore:
         ops: FileOps | None = None,
         owner: str = "",
         attach: bool = False,
+        leader: Fingerprint | None = None,
+        clock: Callable[[], float] | None = None,
+        sleep: Callable[[float], object] | None = None,
     ) -> None:
         path_key = f"tiers[{tier_index}].path"
         size_key = f"tiers[{tier_index}].bytes_to_use"
@@ -421,6 +461,12 @@ class DiskStore:
         self._log = get_logger("kvferry.tiers", tier=tier_index)
         self.root = Path(os.fspath(path))
         self.owner = owner
+        self._leader = (
+            leader if leader is not None and owner and leader.digest != fingerprint.digest else None
+        )
+        """Rank 0's fingerprint, whose index this store takes; None: the first free."""
+        self._clock = clock
+        self._sleep = sleep
         self._lock_fd: int | None = None
         self._lock_token: object = None
         self._release: Callable[[], object] = lambda: None
@@ -478,70 +524,170 @@ class DiskStore:
         return self._lock_fd is not None and _lock_fds.get(self._lock_fd) is self._lock_token
 
     def _take_namespace(self, path_key: str) -> Path:
+        """The namespace this store holds from now on: the index rank 0 took (with a
+        ``leader``: :meth:`_follow`), else the first free one (:meth:`_take_first_free`)."""
+        if self._leader is None:
+            return self._take_first_free(path_key)
+        followed = self._follow(path_key)
+        if isinstance(followed, Path):
+            return followed
+        namespace = self._take_first_free(path_key)
+        if followed is not None:
+            self._log.warning(
+                "disk_namespace_not_followed",
+                path=str(namespace),
+                **followed,
+                note="this rank took another index than rank 0: chunks earlier engines "
+                "left in the two namespaces are kept only where both hold them",
+            )
+        return namespace
+
+    def _take_first_free(self, path_key: str) -> Path:
         """The first namespace of the fingerprint whose lock this store can hold, made if
-        missing; ``<digest>`` unlocked where the file system has no ``flock``.
+        missing; ``<digest>`` unlocked where the file system has no ``flock``."""
+        parent, base = self._namespaces()
+        for n in range(MAX_NAMESPACES):
+            namespace = _sibling(parent, base, n)
+            got = self._try_take(namespace, path_key)
+            if got is False:
+                continue  # another engine's (or being reclaimed): the next one
+            if got is True:
+                if n:
+                    self._log.info(
+                        "disk_namespace_taken",
+                        path=str(namespace),
+                        note="the ones before it are held by other engines of this fingerprint",
+                    )
+                return namespace
+            self._not_locked(namespace, got)
+            return namespace
+        raise ConfigError(
+            path_key,
+            f"{MAX_NAMESPACES} engines of this fingerprint already hold namespaces under "
+            f"{parent} (the first is {base})",
+        )
+
+    def _try_take(self, namespace: Path, path_key: str) -> bool | OSError:
+        """Lock ``namespace`` (made if missing) and hold it: True; False when another
+        store holds it (or a reclaim does); the error where the file system has no
+        ``flock`` (the ``lock`` file then names ``owner``, unlocked).
 
         A ``lock`` file opened just before a reclaim removed it (see :meth:`_reclaim`)
         can be locked once the reclaim let it go: an unlinked inode, which another store
         would not see held (it makes a new ``lock``), so two would share the namespace.
         Hence, once locked, the file at the path must still be the one locked; if not,
         or if the directory went between its ``mkdir`` and the ``open``, again."""
-        parent, base = self._namespaces()
-        for n in range(MAX_NAMESPACES):
-            namespace = parent / (base if n == 0 else f"{base}.{n}")
-            lock_path = namespace / LOCK_FILE
-            for _ in range(_RETAKES):
-                try:
-                    namespace.mkdir(parents=True, exist_ok=True)
-                    fd, token = _open_lock(lock_path, create=True)
-                except FileNotFoundError:
-                    continue  # reclaimed meanwhile: made again
-                except OSError as exc:
-                    raise ConfigError(path_key, f"cannot create {namespace}: {exc}") from exc
-                try:
-                    self._ops.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except OSError as exc:
-                    if exc.errno in _BUSY_ERRNOS:
-                        _close_lock(fd, token)
-                        break  # another engine's (or being reclaimed): the next one
-                    if exc.errno not in _NO_FLOCK_ERRNOS:
-                        _close_lock(fd, token)
-                        raise ConfigError(path_key, f"cannot lock {namespace}: {exc}") from exc
-                    self._write_owner(fd)
+        lock_path = namespace / LOCK_FILE
+        for _ in range(_RETAKES):
+            try:
+                namespace.mkdir(parents=True, exist_ok=True)
+                fd, token = _open_lock(lock_path, create=True)
+            except FileNotFoundError:
+                continue  # reclaimed meanwhile: made again
+            except OSError as exc:
+                raise ConfigError(path_key, f"cannot create {namespace}: {exc}") from exc
+            try:
+                self._ops.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                if exc.errno in _BUSY_ERRNOS:
                     _close_lock(fd, token)
-                    with _held_lock:
-                        first = str(self.root) not in _no_flock_warned
-                        _no_flock_warned.add(str(self.root))
-                    (self._log.warning if first else self._log.debug)(
-                        "disk_namespace_not_locked",
-                        path=str(namespace),
-                        error=repr(exc),
-                        note="the file system has no flock: engines of one fingerprint on "
-                        "this path share this namespace (and each other's chunks); "
-                        "logged once",
-                    )
-                    return namespace
-                if _is_at(fd, lock_path):
-                    self._hold(namespace, fd, token)
-                    if n:
-                        self._log.info(
-                            "disk_namespace_taken",
-                            path=str(namespace),
-                            note="the ones before it are held by other engines of this fingerprint",
-                        )
-                    return namespace
-                _close_lock(fd, token)  # a reclaim removed the file locked: a new one
-            else:
-                raise ConfigError(
-                    path_key,
-                    f"cannot lock {namespace}: its lock file was removed {_RETAKES} times "
-                    "while this store took it",
-                )
+                    return False
+                if exc.errno not in _NO_FLOCK_ERRNOS:
+                    _close_lock(fd, token)
+                    raise ConfigError(path_key, f"cannot lock {namespace}: {exc}") from exc
+                self._write_owner(fd)
+                _close_lock(fd, token)
+                return exc
+            if _is_at(fd, lock_path):
+                self._hold(namespace, fd, token)
+                return True
+            _close_lock(fd, token)  # a reclaim removed the file locked: a new one
         raise ConfigError(
             path_key,
-            f"{MAX_NAMESPACES} engines of this fingerprint already hold namespaces under "
-            f"{parent} (the first is {base})",
+            f"cannot lock {namespace}: its lock file was removed {_RETAKES} times "
+            "while this store took it",
         )
+
+    def _not_locked(self, namespace: Path, exc: OSError) -> None:
+        with _held_lock:
+            first = str(self.root) not in _no_flock_warned
+            _no_flock_warned.add(str(self.root))
+        (self._log.warning if first else self._log.debug)(
+            "disk_namespace_not_locked",
+            path=str(namespace),
+            error=repr(exc),
+            note="the file system has no flock: engines of one fingerprint on "
+            "this path share this namespace (and each other's chunks); "
+            "logged once",
+        )
+
+    def _follow(self, path_key: str) -> Path | dict[str, Any] | None:
+        """Take the index rank 0 (``leader``) took: the namespace held, or why not (the
+        warning's fields), or None where the file system has no ``flock`` (nothing to
+        follow: every rank uses its ``<digest>``).
+
+        Rank 0's namespace is the one of its family whose ``lock`` names ``owner`` (rank 0
+        writes it once it holds the ``flock``, and empties it when it lets go). Until it
+        is found (rank 0 may start later), and while ours of that index is held by a
+        store whose ``lock`` file looks stale (a reclaim holds it, and removes it when
+        done), this waits, up to :data:`FOLLOW_WAIT_S`; ours held by a live engine (its
+        ``lock`` file touched within :data:`STALE_NAMESPACE_S`), not at all."""
+        assert self._leader is not None
+        parent, base = self._namespaces()
+        lead = self._leader.digest.hex()
+        if not self._flock_works(parent, path_key):
+            return None
+        clock = self._clock or time.monotonic
+        sleep = self._sleep or time.sleep
+        start = clock()
+        deadline = start + FOLLOW_WAIT_S
+        while True:
+            n = _owned_index(parent, lead, self.owner)
+            now = clock()
+            if n is not None:
+                namespace = _sibling(parent, base, n)
+                got = self._try_take(namespace, path_key)
+                if got is True:
+                    (self._log.info if n or now > start else self._log.debug)(
+                        "disk_namespace_followed",
+                        path=str(namespace),
+                        leader=str(_sibling(parent, lead, n)),
+                        waited_s=round(now - start, 3),
+                    )
+                    return namespace
+                if not isinstance(got, bool):
+                    return None  # no flock here after all (the directory took one)
+                if now >= deadline or not _may_be_reclaimed(namespace / LOCK_FILE):
+                    return {
+                        "leader": str(_sibling(parent, lead, n)),
+                        "wanted": str(namespace),
+                        "reason": "held by another engine",
+                        "waited_s": round(now - start, 3),
+                    }
+            elif now >= deadline:
+                return {
+                    "leader": str(parent / lead),
+                    "reason": f"rank 0 took no namespace of its family naming {self.owner!r}",
+                    "waited_s": round(now - start, 3),
+                }
+            sleep(FOLLOW_POLL_S)
+
+    def _flock_works(self, parent: Path, path_key: str) -> bool:
+        """Whether the file system under ``parent`` (made if missing) takes ``flock``: a
+        shared lock on the directory itself, let go at once (nobody takes it exclusive,
+        so no other store is disturbed). An unexpected error: True (the take says)."""
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise ConfigError(path_key, f"cannot create {parent}: {exc}") from exc
+        try:
+            self._ops.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as exc:
+            return exc.errno not in _NO_FLOCK_ERRNOS
+        finally:
+            os.close(fd)
+        return True
 
     def _hold(self, namespace: Path, fd: int, token: object) -> None:
         """Keep ``namespace``'s lock (``fd``, locked) until :meth:`close`."""
@@ -564,17 +710,9 @@ class DiskStore:
         """The namespace a store holding the lock took (see the class docstring)."""
         parent, base = self._namespaces()
         if self.owner:
-            try:
-                names = [e.name for e in os.scandir(parent) if e.is_dir(follow_symlinks=False)]
-            except OSError:
-                names = []
-            for name in sorted(n for n in names if _sibling_index(n, base) is not None):
-                try:
-                    held_by = (parent / name / LOCK_FILE).read_text().strip()
-                except (OSError, UnicodeDecodeError):
-                    continue
-                if held_by == self.owner:
-                    return parent / name
+            n = _owned_index(parent, base, self.owner)
+            if n is not None:
+                return _sibling(parent, base, n)
         with _held_lock:
             mine = _held.get((os.path.realpath(self.root), self.fingerprint.digest))
             if mine:
@@ -772,7 +910,9 @@ class DiskStore:
         ``lock`` file and its directory, and the ``flock`` last: a store that opened the
         ``lock`` file before it went may lock it afterwards, an unlinked file, and sees
         that (:meth:`_take_namespace`). A namespace with no ``lock`` file (a store taking
-        it made the directory a moment ago; no ``flock`` here) is not judged."""
+        it made the directory a moment ago; no ``flock`` here) is not judged. A store
+        that follows rank 0 keeps one whose index rank 0 took lately
+        (:meth:`_followed_soon`)."""
         reclaimed: list[str] = []
         nbytes = 0
         complete = True
@@ -793,7 +933,7 @@ class DiskStore:
                 except OSError:
                     continue  # a running engine's (or no flock: nothing to tell by)
                 last = self._stale(fd, namespace, lock_path)
-                if last is None:
+                if last is None or self._followed_soon(name):
                     continue
                 try:
                     deleted, complete = self._empty(namespace, last, deadline)
@@ -821,6 +961,26 @@ class DiskStore:
                 "left by engines that no longer run on this path",
             )
         return reclaimed, nbytes
+
+    def _followed_soon(self, name: str) -> bool:
+        """For a store that follows rank 0 (``leader``): whether rank 0's namespace of the
+        index of ``name`` (ours) was taken or let go within :data:`STALE_NAMESPACE_S`
+        (its ``lock`` file's mtime): that engine's rank of ours may be about to take
+        ``name``, and find the chunks left there beside rank 0's."""
+        if self._leader is None:
+            return False
+        parent, base = self._namespaces()
+        n = _sibling_index(name, base)
+        if n is None:
+            return False
+        lock_path = _sibling(parent, self._leader.digest.hex(), n) / LOCK_FILE
+        try:
+            mtime = os.stat(lock_path, follow_symlinks=False).st_mtime
+        except FileNotFoundError:
+            return False
+        except OSError:
+            return True  # cannot tell: kept
+        return mtime >= time.time() - STALE_NAMESPACE_S
 
     @staticmethod
     def _stale(fd: int, namespace: Path, lock_path: Path) -> float | None:
@@ -1218,6 +1378,44 @@ def _sibling_index(name: str, base: str) -> int | None:
     if head != base or not dot or not n.isdigit() or n != str(int(n)) or int(n) == 0:
         return None
     return int(n)
+
+
+def _sibling(parent: Path, base: str, n: int) -> Path:
+    """The namespace ``<base>.<n>`` (``<base>`` for 0) under ``parent``."""
+    return parent / (base if n == 0 else f"{base}.{n}")
+
+
+def _owned_index(parent: Path, base: str, owner: str) -> int | None:
+    """The lowest ``n`` whose namespace ``<base>.<n>`` has a ``lock`` file naming
+    ``owner`` (not empty: a store letting go empties it); None if none does."""
+    if not owner:
+        return None
+    try:
+        names = [e.name for e in os.scandir(parent) if e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return None
+    for n in sorted(i for i in (_sibling_index(name, base) for name in names) if i is not None):
+        try:
+            held_by = (_sibling(parent, base, n) / LOCK_FILE).read_text().strip()
+        except (OSError, UnicodeDecodeError):
+            continue
+        if held_by == owner:
+            return n
+    return None
+
+
+def _may_be_reclaimed(lock_path: Path) -> bool:
+    """Whether a namespace whose ``lock`` is held may be held by a reclaim (which lets it
+    go soon): its ``lock`` file gone (removed a moment ago) or untouched for
+    :data:`STALE_NAMESPACE_S` (a reclaim takes only those, and touches nothing; a store
+    taking or letting go of it touches it)."""
+    try:
+        mtime = os.stat(lock_path, follow_symlinks=False).st_mtime
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return mtime < time.time() - STALE_NAMESPACE_S
 
 
 def _release(fd: int, token: object, key: tuple[str, bytes], namespace: Path) -> None:

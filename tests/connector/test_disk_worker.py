@@ -636,3 +636,47 @@ def test_shutdown_right_after_the_first_disk_jobs_ends_cleanly(
     side.shutdown()
     assert report.clean, report
     assert "tell_handler_failed" not in caplog.text
+
+
+# -- tensor parallelism ------------------------------------------------------------------
+
+
+def test_the_ranks_of_a_tensor_parallel_engine_take_one_namespace_index(
+    make_vllm_config: Callable[..., Any],
+    kv_cache_config: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Engine X's rank 0 holds ``<d0>``, its rank 1 not started yet; engine A starts: its
+    rank 0 takes ``<d0>.1``, and its rank 1 the same index of its own family, ``<d1>.1``,
+    not the first free ``<d1>`` (which X's rank 1 then takes): the scheduler keeps only
+    the chunks every rank holds, so each engine's ranks must hold one earlier engine's."""
+    from kvferry.connector._worker import WorkerSide
+    from kvferry.tiers import _disk as disk_module
+
+    # A bound, were rank 0 not found (no such constant before ranks followed it).
+    monkeypatch.setattr(disk_module, "FOLLOW_WAIT_S", 5.0, raising=False)
+    tier = {"kind": "disk", "path": str(tmp_path / "disk"), "bytes_to_use": 64 << 20}
+    extra: dict[str, Any] = {"cpu_bytes_to_use": 8 << 20, "runtime": "stepped", "tiers": [tier]}
+    sides: list[Any] = []
+
+    def start(engine: str, rank: int) -> Any:
+        config = make_vllm_config(extra)
+        config.instance_id = engine
+        parallel = config.parallel_config
+        parallel.tensor_parallel_size = parallel.world_size = 2
+        parallel.rank = rank
+        side = WorkerSide(config, kv_cache_config, FerryConfig.from_dict(extra))
+        sides.append(side)
+        side.register_kv_caches(new_kv())
+        return side.disk
+
+    try:
+        x0, a0, a1, x1 = start("x", 0), start("a", 0), start("a", 1), start("x", 1)
+        d0, d1 = (store.fingerprint.digest.hex() for store in (x0, x1))
+        assert d0 != d1 and a1.fingerprint == x1.fingerprint
+        assert [s.namespace.name for s in (x0, x1)] == [d0, d1]
+        assert [s.namespace.name for s in (a0, a1)] == [f"{d0}.1", f"{d1}.1"]
+    finally:
+        for side in sides:
+            side.shutdown()
