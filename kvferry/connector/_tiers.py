@@ -11,6 +11,17 @@ attention backend asked for, the platform, vLLM's version (a version may change 
 backend's layout) and the host row format of this kvferry. The worker also records the
 layout it observed on its tensors beside its files, and clears its files if that
 changed (see :class:`~kvferry.connector._worker.WorkerSide`).
+
+With pipeline parallelism the workers' KV-cache configs differ in their layers (each
+stage holds its own), and the scheduler is given stage 0's (vLLM's
+``generate_scheduler_kv_cache_config``: "the same kv_cache_config except layer names"):
+named by their layers, a later stage's fingerprint as the scheduler computes it would
+not be its worker's, and the scheduler would find none of that stage's chunks (a disk
+tier's restart deleting every chunk as held by some ranks only, a Redis tier never
+hitting). So with more than one stage a group names no layers, and the layout names the
+rank's stage by the range of the model's layers it holds, which both halves compute
+from the config alone (vLLM's ``get_pp_indices``, which ``VLLM_PP_LAYER_PARTITION``
+moves too). With one stage the layers are named as before (fingerprints unchanged).
 """
 
 from __future__ import annotations
@@ -51,9 +62,11 @@ def check_hash_algo(vllm_config: VllmConfig) -> str:
     return algo
 
 
-def _spec_of(group: Any) -> dict[str, Any]:
+def _spec_of(group: Any, *, layers: bool = True) -> dict[str, Any]:
     spec = group.kv_cache_spec
-    doc: dict[str, Any] = {"kind": type(spec).__name__, "layers": list(group.layer_names)}
+    doc: dict[str, Any] = {"kind": type(spec).__name__}
+    if layers:
+        doc["layers"] = list(group.layer_names)
     for name in (
         "block_size",
         "num_kv_heads",
@@ -84,16 +97,32 @@ def disk_leader(
     """The fingerprint of rank 0, whose disk namespace index worker ``rank`` takes too (see
     :class:`~kvferry.tiers.DiskStore`, ``leader``), as the scheduler side computes it (it
     derives every rank's fingerprint from one config: the ranks of a tensor-parallel
-    engine differ only by their rank). None where there is nothing to follow: rank 0, one
-    rank; and where rank 0's namespace cannot be found, so that the rank would only wait
-    for it: with pipeline parallelism (a later stage's KV cache holds other layers, so
-    rank 0's fingerprint is not derived from its config) and for an engine spanning nodes
-    (``nnodes``: rank 0's namespace is on another machine's ``path``)."""
+    engine differ only by their rank, the stages of a pipeline by their layers, which the
+    fingerprint names by the stage's range: see the module docstring). None where there
+    is nothing to follow: rank 0, one rank; and where rank 0's namespace cannot be found,
+    so that the rank would only wait for it: an engine spanning nodes (``nnodes``: rank
+    0's namespace is on another machine's ``path``)."""
     parallel = vllm_config.parallel_config
     nodes = getattr(parallel, "nnodes_within_dp", getattr(parallel, "nnodes", 1))
-    if rank == 0 or parallel.world_size <= 1 or parallel.pipeline_parallel_size > 1 or nodes > 1:
+    if rank == 0 or parallel.world_size <= 1 or nodes > 1:
         return None
     return disk_fingerprint(vllm_config, kv_cache_config, chunk_tokens, 0)
+
+
+def stage_layers(vllm_config: VllmConfig, rank: int) -> list[int] | None:
+    """With pipeline parallelism, the model's layers [start, end) worker ``rank`` holds
+    (vLLM orders ranks DP x PP x TP, as ``ModelConfig.get_layers_start_end_indices``
+    reads them); None with one stage."""
+    parallel = vllm_config.parallel_config
+    stages = parallel.pipeline_parallel_size
+    if stages <= 1:
+        return None
+    from vllm.distributed.utils import get_pp_indices
+
+    stage = (rank // parallel.tensor_parallel_size) % stages
+    total = vllm_config.model_config.get_total_num_hidden_layers()
+    start, end = get_pp_indices(total, stage, stages)
+    return [start, end]
 
 
 def disk_fingerprint(
@@ -105,13 +134,17 @@ def disk_fingerprint(
 
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
-    layout = {
+    stage = stage_layers(vllm_config, rank)
+    layout: dict[str, Any] = {
         "host_row_format": HOST_ROW_FORMAT,
-        "groups": [_spec_of(g) for g in kv_cache_config.kv_cache_groups],
+        # One stage: each group's layers by name; more: the stage's range (module doc).
+        "groups": [_spec_of(g, layers=stage is None) for g in kv_cache_config.kv_cache_groups],
         "attention_backend": _attention_backend(vllm_config),
         "platform": str(current_platform.device_type),
         "vllm": str(vllm.__version__),
     }
+    if stage is not None:
+        layout["stage_layers"] = stage
     return Fingerprint(
         model=f"{model.model}@{model.revision or ''}",
         dtype=f"{model.dtype}/{vllm_config.cache_config.cache_dtype}",

@@ -617,3 +617,56 @@ def test_a_reset_ends_the_announcements_of_the_chunks_found_at_start(
         for _ in range(3):
             router_replay(router, side.take_events())
             assert router["DISK"] == set()
+
+
+def test_a_later_pipeline_stage_has_the_fingerprint_the_scheduler_computes_for_it(
+    make_vllm_config: Any, kv_cache_config: Any
+) -> None:
+    """vLLM gives the scheduler stage 0's KV-cache config ("the same except layer names"):
+    a fingerprint naming the group's layers made the scheduler's idea of a later stage's
+    fingerprint differ from that stage's worker's, so it found none of its chunks (a
+    restart deleted the disk tier's chunks as held by some ranks only; a Redis tier never
+    hit). With more than one stage the fingerprint names the stage's range of layers."""
+    import copy
+
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    from kvferry.connector._tiers import disk_fingerprint, disk_leader, stage_layers
+
+    def pipeline(stages: int, rank: int) -> Any:
+        config = copy.deepcopy(make_vllm_config({}))
+        parallel = config.parallel_config
+        parallel.pipeline_parallel_size = stages
+        parallel.world_size = stages * parallel.tensor_parallel_size
+        parallel.rank = rank
+        return config
+
+    def layers(*numbers: int) -> Any:
+        [group] = kv_cache_config.kv_cache_groups
+        names = [f"model.layers.{i}.self_attn.attn" for i in numbers]
+        return KVCacheConfig(
+            num_blocks=16,
+            kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec(names, group.kv_cache_spec)],
+        )
+
+    total = pipeline(2, 0).model_config.get_total_num_hidden_layers()
+    assert total >= 2
+    half = stage_layers(pipeline(2, 0), 1)
+    assert half is not None and stage_layers(pipeline(2, 0), 0) == [0, half[0]]
+    stage0, stage1 = layers(*range(half[0])), layers(*range(half[0], half[1]))
+    # The scheduler (rank 0's config, stage 0's layers) and each stage's worker agree.
+    for rank, own in ((0, stage0), (1, stage1)):
+        scheduler_side = disk_fingerprint(pipeline(2, 0), stage0, BLOCK, rank)
+        assert disk_fingerprint(pipeline(2, rank), own, BLOCK, rank) == scheduler_side
+    # What the follower on stage 1 takes as its leader is stage 0's worker's.
+    assert disk_leader(pipeline(2, 1), stage1, BLOCK, 1) == disk_fingerprint(
+        pipeline(2, 0), stage0, BLOCK, 0
+    )
+    # Stages differ, and with one stage the layers still count.
+    assert (
+        disk_fingerprint(pipeline(2, 0), stage0, BLOCK, 0).digest
+        != disk_fingerprint(pipeline(2, 0), stage0, BLOCK, 1).digest
+    )
+    one = pipeline(1, 0)
+    assert disk_fingerprint(one, stage0, BLOCK, 0) != disk_fingerprint(one, stage1, BLOCK, 0)
