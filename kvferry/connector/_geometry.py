@@ -46,6 +46,9 @@ class Geometry:
     row_bytes: int
     """Bytes of one engine block of the largest group, on one worker."""
     num_slots: int
+    slot_row_bytes: int = attrs.field(default=attrs.Factory(lambda self: self.row_bytes, True))
+    """The row bytes the host slots are counted by: ``row_bytes``, or with pipeline
+    parallelism a bound every rank computes alike (see :func:`plan_geometry`)."""
     frees_decoded: bool = False
     """Whether vLLM frees a group's decoded blocks while a request runs, outside any
     sliding window (R-SWA): its decoded blocks are not stored (``store_decoded`` off)."""
@@ -80,9 +83,23 @@ def _frees_decoded_blocks(spec: Any) -> bool:
 
 
 def plan_geometry(
-    cfg: FerryConfig, kv_cache_config: KVCacheConfig, engine_block_size: int, world_size: int
+    cfg: FerryConfig,
+    kv_cache_config: KVCacheConfig,
+    engine_block_size: int,
+    world_size: int,
+    *,
+    stage_layers: int | None = None,
 ) -> Geometry:
-    """Offloaded block size and host slots, from the config and vLLM's KV-cache config."""
+    """Offloaded block size and host slots, from the config and vLLM's KV-cache config.
+
+    ``stage_layers``: with pipeline parallelism, the layers of the largest stage
+    (:func:`largest_stage`). The stages' KV-cache configs differ in their layers, and the
+    scheduler holds stage 0's: every rank must count the same host slots (a slot is one
+    id on every rank), so there they are sized from what every rank computes alike, the
+    largest stage's layers times the largest page (an upper bound of each stage's row but
+    for layers vLLM places outside its stages' split, such as a draft model's: their
+    bytes then go beyond ``cpu_bytes_to_use`` on that worker, as the check below still
+    holds each worker's own tensors to its own config)."""
     groups = kv_cache_config.kv_cache_groups
     if not groups:
         raise ConfigError("block_size", "the model has no KV-cache group to offload")
@@ -102,7 +119,10 @@ def plan_geometry(
         )
     windows = tuple(group_window(g.kv_cache_spec, chunk_tokens, i) for i, g in enumerate(groups))
     row_bytes = max(len(g.layer_names) * g.kv_cache_spec.page_size_bytes for g in groups)
-    slot_bytes = row_bytes * bpc * world_size
+    sized_by = row_bytes
+    if stage_layers is not None:
+        sized_by = stage_layers * max(g.kv_cache_spec.page_size_bytes for g in groups)
+    slot_bytes = sized_by * bpc * world_size
     num_slots = cfg.cpu_bytes_to_use // slot_bytes
     if num_slots <= 0:
         raise ConfigError(
@@ -116,6 +136,7 @@ def plan_geometry(
         num_groups=len(groups),
         windows=windows,
         row_bytes=row_bytes,
+        slot_row_bytes=sized_by,
         num_slots=num_slots,
         frees_decoded=any(_frees_decoded_blocks(g.kv_cache_spec) for g in groups),
     )
@@ -145,3 +166,18 @@ def windowed_hit(ready: npt.NDArray[np.bool_], windows: tuple[int | None, ...]) 
         else:
             return int(end)
     return 0
+
+
+def largest_stage(vllm_config: Any) -> int | None:
+    """With pipeline parallelism, the layers of the largest stage (vLLM's
+    ``get_pp_indices`` over every stage, which ``VLLM_PP_LAYER_PARTITION`` moves too);
+    None with one stage."""
+    stages = vllm_config.parallel_config.pipeline_parallel_size
+    if stages <= 1:
+        return None
+    from vllm.distributed.utils import get_pp_indices
+
+    total = vllm_config.model_config.get_total_num_hidden_layers()
+    return max(
+        end - start for start, end in (get_pp_indices(total, s, stages) for s in range(stages))
+    )

@@ -61,7 +61,7 @@ from ..cache import (
 from ..transfer import CopyJob
 from ._blockinfo import BlockBook, group_specs
 from ._disk_tier import DiskTier, engine_owner
-from ._geometry import plan_geometry, windowed_hit
+from ._geometry import largest_stage, plan_geometry, windowed_hit
 from ._metadata import DiskChunks, JobSpec, KVFerryMetadata, KVFerryWorkerMetadata
 from ._planner import (
     NULL_BLOCK,
@@ -104,7 +104,11 @@ class SchedulerSide:
         self._clock = clock
         self.world_size = vllm_config.parallel_config.world_size
         self.geometry = plan_geometry(
-            cfg, kv_cache_config, vllm_config.cache_config.block_size, self.world_size
+            cfg,
+            kv_cache_config,
+            vllm_config.cache_config.block_size,
+            self.world_size,
+            stage_layers=largest_stage(vllm_config),
         )
         self._log = get_logger("kvferry.connector", role="scheduler")
         self._store_decoded = cfg.store_decoded and not self.geometry.frees_decoded
@@ -176,7 +180,7 @@ class SchedulerSide:
                     self.disk = DiskTier(
                         tier,
                         fingerprints,
-                        geo.row_bytes * geo.blocks_per_chunk,
+                        max(geo.row_bytes, geo.slot_row_bytes) * geo.blocks_per_chunk,
                         events=self.events_enabled,
                         owner=engine_owner(vllm_config),
                     )

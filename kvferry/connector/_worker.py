@@ -93,7 +93,7 @@ from ..transfer import (
 )
 from ..transfer._layout import KVLayout, _block_dim
 from ._disk_tier import engine_owner
-from ._geometry import Geometry, plan_geometry
+from ._geometry import Geometry, largest_stage, plan_geometry
 from ._metadata import KEPT, DiskWriteSpec, JobSpec, KVFerryMetadata, KVFerryWorkerMetadata
 from ._redis_tier import make_store
 from ._tiers import disk_fingerprint, disk_leader
@@ -259,6 +259,7 @@ class WorkerSide:
             kv_cache_config,
             vllm_config.cache_config.block_size,
             vllm_config.parallel_config.world_size,
+            stage_layers=largest_stage(vllm_config),
         )
         self._log = get_logger("kvferry.connector", role="worker")
         self.pool: HostPool | None = None
