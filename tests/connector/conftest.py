@@ -19,24 +19,12 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def make_vllm_config(tiny_model: Path) -> Callable[..., Any]:
     """A real VllmConfig for the tiny model with kvferry's extra config (no engine)."""
-    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig
+    from ._configs import model_config, vllm_config
 
-    model_config = ModelConfig(
-        model=str(tiny_model), skip_tokenizer_init=True, max_model_len=2048, dtype="bfloat16"
-    )
+    model = model_config(tiny_model)
 
-    def make(extra: dict[str, Any], block_size: int = 128) -> VllmConfig:
-        return VllmConfig(
-            model_config=model_config,
-            cache_config=CacheConfig(block_size=block_size),
-            device_config=DeviceConfig("cpu"),
-            kv_transfer_config=KVTransferConfig(
-                kv_connector="KVFerryConnector",
-                kv_connector_module_path="kvferry.connector",
-                kv_role="kv_both",
-                kv_connector_extra_config=extra,
-            ),
-        )
+    def make(extra: dict[str, Any], block_size: int = 128) -> Any:
+        return vllm_config(model, extra, block_size)
 
     return make
 

@@ -627,19 +627,14 @@ def test_a_later_pipeline_stage_has_the_fingerprint_the_scheduler_computes_for_i
     fingerprint differ from that stage's worker's, so it found none of its chunks (a
     restart deleted the disk tier's chunks as held by some ranks only; a Redis tier never
     hit). With more than one stage the fingerprint names the stage's range of layers."""
-    import copy
-
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 
     from kvferry.connector._tiers import disk_fingerprint, disk_leader, stage_layers
 
+    from ._configs import pipeline_stage
+
     def pipeline(stages: int, rank: int) -> Any:
-        config = copy.deepcopy(make_vllm_config({}))
-        parallel = config.parallel_config
-        parallel.pipeline_parallel_size = stages
-        parallel.world_size = stages * parallel.tensor_parallel_size
-        parallel.rank = rank
-        return config
+        return pipeline_stage(make_vllm_config({}), stages, rank)
 
     def layers(*numbers: int) -> Any:
         [group] = kv_cache_config.kv_cache_groups

@@ -4,11 +4,12 @@ is one id on every rank)."""
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from ._configs import model_config, pipeline_stage, vllm_config
 
 BLOCK = 128
 
@@ -21,27 +22,7 @@ def three_layers(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def stage_config(model: Path, extra: dict[str, Any], stages: int, rank: int) -> Any:
-    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig
-
-    config = VllmConfig(
-        model_config=ModelConfig(
-            model=str(model), skip_tokenizer_init=True, max_model_len=2048, dtype="bfloat16"
-        ),
-        cache_config=CacheConfig(block_size=BLOCK),
-        device_config=DeviceConfig("cpu"),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="KVFerryConnector",
-            kv_connector_module_path="kvferry.connector",
-            kv_role="kv_both",
-            kv_connector_extra_config=extra,
-        ),
-    )
-    config = copy.deepcopy(config)
-    parallel = config.parallel_config
-    parallel.pipeline_parallel_size = stages
-    parallel.world_size = stages * parallel.tensor_parallel_size
-    parallel.rank = rank
-    return config
+    return pipeline_stage(vllm_config(model_config(model), extra), stages, rank)
 
 
 def layers(*numbers: int) -> Any:
