@@ -168,16 +168,20 @@ def windowed_hit(ready: npt.NDArray[np.bool_], windows: tuple[int | None, ...]) 
     return 0
 
 
-def largest_stage(vllm_config: Any) -> int | None:
-    """With pipeline parallelism, the layers of the largest stage (vLLM's
-    ``get_pp_indices`` over every stage, which ``VLLM_PP_LAYER_PARTITION`` moves too);
-    None with one stage."""
+def stage_ranges(vllm_config: Any) -> list[tuple[int, int]] | None:
+    """With pipeline parallelism, the model's layers [start, end) of each stage (vLLM's
+    ``get_pp_indices``, which ``VLLM_PP_LAYER_PARTITION`` moves too); None with one
+    stage."""
     stages = vllm_config.parallel_config.pipeline_parallel_size
     if stages <= 1:
         return None
     from vllm.distributed.utils import get_pp_indices
 
     total = vllm_config.model_config.get_total_num_hidden_layers()
-    return max(
-        end - start for start, end in (get_pp_indices(total, s, stages) for s in range(stages))
-    )
+    return [get_pp_indices(total, s, stages) for s in range(stages)]
+
+
+def largest_stage(vllm_config: Any) -> int | None:
+    """With pipeline parallelism, the layers of the largest stage; None with one stage."""
+    ranges = stage_ranges(vllm_config)
+    return None if ranges is None else max(end - start for start, end in ranges)

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._errors import ConfigError
 from ..tiers import Fingerprint
+from ._geometry import stage_ranges
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -113,15 +114,10 @@ def stage_layers(vllm_config: VllmConfig, rank: int) -> list[int] | None:
     """With pipeline parallelism, the model's layers [start, end) worker ``rank`` holds
     (vLLM orders ranks DP x PP x TP, as ``ModelConfig.get_layers_start_end_indices``
     reads them); None with one stage."""
-    parallel = vllm_config.parallel_config
-    stages = parallel.pipeline_parallel_size
-    if stages <= 1:
+    ranges = stage_ranges(vllm_config)
+    if ranges is None:
         return None
-    from vllm.distributed.utils import get_pp_indices
-
-    stage = (rank // parallel.tensor_parallel_size) % stages
-    total = vllm_config.model_config.get_total_num_hidden_layers()
-    start, end = get_pp_indices(total, stage, stages)
+    start, end = ranges[(rank // vllm_config.parallel_config.tensor_parallel_size) % len(ranges)]
     return [start, end]
 
 

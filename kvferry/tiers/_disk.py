@@ -973,14 +973,7 @@ class DiskStore:
         n = _sibling_index(name, base)
         if n is None:
             return False
-        lock_path = _sibling(parent, self._leader.digest.hex(), n) / LOCK_FILE
-        try:
-            mtime = os.stat(lock_path, follow_symlinks=False).st_mtime
-        except FileNotFoundError:
-            return False
-        except OSError:
-            return True  # cannot tell: kept
-        return mtime >= time.time() - STALE_NAMESPACE_S
+        return _lock_fresh(_sibling(parent, self._leader.digest.hex(), n) / LOCK_FILE)
 
     @staticmethod
     def _stale(fd: int, namespace: Path, lock_path: Path) -> float | None:
@@ -1404,18 +1397,24 @@ def _owned_index(parent: Path, base: str, owner: str) -> int | None:
     return None
 
 
-def _may_be_reclaimed(lock_path: Path) -> bool:
-    """Whether a namespace whose ``lock`` is held may be held by a reclaim (which lets it
-    go soon): its ``lock`` file gone (removed a moment ago) or untouched for
-    :data:`STALE_NAMESPACE_S` (a reclaim takes only those, and touches nothing; a store
-    taking or letting go of it touches it)."""
+def _lock_fresh(lock_path: Path) -> bool:
+    """Whether a ``lock`` file was touched (its namespace taken or let go by a store)
+    within :data:`STALE_NAMESPACE_S`: False if it is gone (removed a moment ago by a
+    reclaim), True if it cannot be read (cannot tell: taken as in use)."""
     try:
         mtime = os.stat(lock_path, follow_symlinks=False).st_mtime
     except FileNotFoundError:
-        return True
-    except OSError:
         return False
-    return mtime < time.time() - STALE_NAMESPACE_S
+    except OSError:
+        return True
+    return mtime >= time.time() - STALE_NAMESPACE_S
+
+
+def _may_be_reclaimed(lock_path: Path) -> bool:
+    """Whether a namespace whose ``lock`` is held may be held by a reclaim (which lets it
+    go soon): its ``lock`` file not fresh (:func:`_lock_fresh`; a reclaim takes only
+    stale ones and touches nothing, a store taking or letting go of it touches it)."""
+    return not _lock_fresh(lock_path)
 
 
 def _release(fd: int, token: object, key: tuple[str, bytes], namespace: Path) -> None:
