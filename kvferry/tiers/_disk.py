@@ -475,18 +475,13 @@ class DiskStore:
         else:
             self.namespace = self._take_namespace(path_key)
         try:
-            self.namespace.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise ConfigError(path_key, f"cannot create {self.namespace}: {exc}") from exc
-        total = os.statvfs(self.namespace)
-        fs_bytes = total.f_frsize * total.f_blocks
-        if bytes_to_use > fs_bytes:
-            raise ConfigError(
-                size_key, f"{bytes_to_use} bytes asked, but the file system holds {fs_bytes}"
-            )
-        self.direct_io = self._probe(path_key, direct)
-        self._write_description(path_key)
-        self._make_fan_directories(path_key)
+            self._prepare(path_key, size_key, direct)
+        except BaseException:
+            # Never returned, the store cannot be closed: its lock would stay held while
+            # the error lives (its traceback holds the store), the next store of the
+            # fingerprint taking another namespace.
+            self.close()
+            raise
 
         self._lock = threading.Lock()
         self._index: dict[bytes, int] = {}
@@ -512,6 +507,24 @@ class DiskStore:
         self._skipped: dict[str, int] = {}
 
     # ---------------------------------------------------------------- start
+
+    def _prepare(self, path_key: str, size_key: str, direct: bool | None) -> None:
+        """Make the namespace taken ready: its directory, the size and O_DIRECT checks,
+        its description and its fan directories (a :class:`ConfigError` if it cannot)."""
+        try:
+            self.namespace.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(path_key, f"cannot create {self.namespace}: {exc}") from exc
+        total = os.statvfs(self.namespace)
+        fs_bytes = total.f_frsize * total.f_blocks
+        if self.capacity_bytes > fs_bytes:
+            raise ConfigError(
+                size_key,
+                f"{self.capacity_bytes} bytes asked, but the file system holds {fs_bytes}",
+            )
+        self.direct_io = self._probe(path_key, direct)
+        self._write_description(path_key)
+        self._make_fan_directories(path_key)
 
     def _namespaces(self) -> tuple[Path, str]:
         """The directory of the namespaces and the base name, ``<digest hex>``."""
@@ -906,12 +919,15 @@ class DiskStore:
         bytes of the chunk and ``.tmp`` files deleted. Stops at ``deadline`` (monotonic).
 
         Each under its ``flock``, taken here (non-blocking: a namespace held is a running
-        engine's, and stays): no store takes it meanwhile. Its files go first, then its
-        ``lock`` file and its directory, and the ``flock`` last: a store that opened the
-        ``lock`` file before it went may lock it afterwards, an unlinked file, and sees
-        that (:meth:`_take_namespace`). A namespace with no ``lock`` file (a store taking
-        it made the directory a moment ago; no ``flock`` here) is not judged. A store
-        that follows rank 0 keeps one whose index rank 0 took lately
+        engine's, and stays) once it looks stale unlocked: no store takes it meanwhile.
+        One in use is never locked, not even to judge it: a store taking it at that
+        moment would find it held and take another (the chunks here orphaned; a rank
+        following rank 0, seeing its ``lock`` file fresh, would not follow). Its files go
+        first, then its ``lock`` file and its directory, and the ``flock`` last: a store
+        that opened the ``lock`` file before it went may lock it afterwards, an unlinked
+        file, and sees that (:meth:`_take_namespace`). A namespace with no ``lock`` file
+        (a store taking it made the directory a moment ago; no ``flock`` here) is not
+        judged. A store that follows rank 0 keeps one whose index rank 0 took lately
         (:meth:`_followed_soon`)."""
         reclaimed: list[str] = []
         nbytes = 0
@@ -923,6 +939,8 @@ class DiskStore:
                 break
             namespace = parent / name
             lock_path = namespace / LOCK_FILE
+            if self._stale(None, namespace, lock_path) is None or self._followed_soon(name):
+                continue  # in use lately (or gone): not locked, not even to judge it
             try:
                 fd, token = _open_lock(lock_path, create=False)
             except OSError:
@@ -976,14 +994,19 @@ class DiskStore:
         return _lock_fresh(_sibling(parent, self._leader.digest.hex(), n) / LOCK_FILE)
 
     @staticmethod
-    def _stale(fd: int, namespace: Path, lock_path: Path) -> float | None:
+    def _stale(fd: int | None, namespace: Path, lock_path: Path) -> float | None:
         """The newest of the ``lock`` file's (``fd``, locked) and the fan directories'
         mtimes, if it is :data:`STALE_NAMESPACE_S` old and the file at ``lock_path`` is
-        still ``fd``'s (not reclaimed by another store meanwhile); else None."""
-        if not _is_at(fd, lock_path):
+        still ``fd``'s (not reclaimed by another store meanwhile); else None. ``fd``
+        None: the file at ``lock_path``, not locked (a first look)."""
+        if fd is not None and not _is_at(fd, lock_path):
             return None
         try:
-            times = [os.fstat(fd).st_mtime]
+            times = [
+                os.fstat(fd).st_mtime
+                if fd is not None
+                else os.stat(lock_path, follow_symlinks=False).st_mtime
+            ]
             with os.scandir(namespace) as top:
                 for entry in top:
                     if entry.is_dir(follow_symlinks=False):
