@@ -15,7 +15,9 @@ mailbox never fills (a full one would make the engine thread wait for Redis in
 :meth:`RedisTier.flush`). While a request's answer is out, its lookup says "ask again"
 (vLLM's ``None``), for at most ``lookup_wait_ms``; then the chunks not answered for are
 misses. Answers are kept a short while (:data:`ANSWER_TTL_S`); a chunk this engine wrote
-is known present, one whose read failed is known absent.
+is known present, one whose read failed is known absent. What this engine learnt of a chunk
+(its write ended, its read failed) is newer than the answer of any check sent before: such
+an answer, drained later, leaves it alone.
 
 A hit is read Redis -> host slot -> device like a disk hit (the host slot is reserved at
 the lookup), so the scheduler's load path is the disk tier's; a Redis chunk that is gone
@@ -73,6 +75,8 @@ checker's mailbox (far below its bound); the keys asked meanwhile go with a late
 @attrs.frozen
 class _Check:
     keys: tuple[bytes, ...]
+    seq: int
+    """The check's number (1, 2, ...: in the order sent, and answered)."""
 
 
 @attrs.frozen
@@ -103,7 +107,7 @@ class _Checker(Actor[_Check]):
     def __init__(
         self,
         stores: list[RedisStore],
-        answered: deque[tuple[tuple[bytes, ...], Bools | None]],
+        answered: deque[tuple[int, tuple[bytes, ...], Bools | None]],
     ) -> None:
         self.stores = stores
         self.answered = answered
@@ -119,7 +123,7 @@ class _Checker(Actor[_Check]):
         finally:
             # Every check is answered, None if it failed: the engine thread counts the
             # checks out by their answers. Thread-safe; drained on the engine thread.
-            self.answered.append((msg.keys, answer))
+            self.answered.append((msg.seq, msg.keys, answer))
 
     async def _ask(self, keys: list[bytes]) -> Bools | None:
         found: Bools | None = np.ones(len(keys), np.bool_)
@@ -156,9 +160,14 @@ class RedisTier:
         self.tier = tier
         self._clock = clock
         self._wait_s = tier.lookup_wait_ms / 1000.0
-        self._answers: OrderedDict[bytes, tuple[bool, float]] = OrderedDict()
-        self._answered: deque[tuple[tuple[bytes, ...], Bools | None]] = deque()
-        """(keys, found) from the checker; found None: no answer (asked again later)."""
+        self._answers: OrderedDict[bytes, tuple[bool, float, int]] = OrderedDict()
+        """Key -> (present, when learnt, after which check): the check's number for its
+        answer; for what this engine learnt itself (a write, a failed read), the number
+        of the next check to be sent (the answers of those sent before are older)."""
+        self._answered: deque[tuple[int, tuple[bytes, ...], Bools | None]] = deque()
+        """(seq, keys, found) from the checker; found None: no answer (asked again later)."""
+        self._sent = 0
+        """Checks sent so far (the last one's ``seq``)."""
         self._asked: set[bytes] = set()
         """Keys sent and not answered yet."""
         self._to_ask: dict[bytes, None] = {}
@@ -207,7 +216,7 @@ class RedisTier:
         now = self._clock()
         answers = self._answers
         while self._answered:
-            keys, found = self._answered.popleft()
+            seq, keys, found = self._answered.popleft()
             self._checks_out -= 1
             if found is None:
                 self._asked.difference_update(keys)
@@ -215,7 +224,12 @@ class RedisTier:
                 continue
             for k, f in zip(keys, found.tolist(), strict=True):
                 self._asked.discard(k)
-                answers[k] = (f, now + ANSWER_TTL_S)
+                a = answers.get(k)
+                if a is not None and a[2] > seq:
+                    # Learnt after this check was sent (written, or its read failed):
+                    # Redis may have answered before that write landed or that delete.
+                    continue
+                answers[k] = (f, now, seq)
                 answers.move_to_end(k)
             self._c["keys_found"] += int(found.sum())
         while len(answers) > MAX_ANSWERS:
@@ -231,11 +245,27 @@ class RedisTier:
         answers = self._answers
         for i, k in enumerate(keys):
             a = answers.get(k)
-            if a is None or a[1] < now:
+            if a is None or a[1] + ANSWER_TTL_S < now:
                 unknown[i] = True
             else:
                 present[i] = a[0]
         return present, unknown
+
+    def answered_since(self, keys: Sequence[bytes], since: float) -> bool:
+        """Whether every key was answered for (or written, or failed a read) at ``since``
+        or later, trusted still or not: a lookup that began to wait at ``since`` and finds
+        them unknown again waited for nothing still out (see :meth:`known`)."""
+        answers = self._answers
+        for k in keys:
+            a = answers.get(k)
+            if a is None or a[1] < since:
+                return False
+        return bool(keys)
+
+    def _learnt(self, k: bytes, present: bool, now: float) -> None:
+        """What this engine learnt of chunk ``k`` itself: newer than any check sent yet."""
+        self._answers[k] = (present, now, self._sent + 1)
+        self._answers.move_to_end(k)
 
     def ask(self, keys: Sequence[bytes]) -> None:
         """Check these keys with this step's batch (unless already out)."""
@@ -260,11 +290,12 @@ class RedisTier:
         if self._checks_out >= MAX_CHECKS_OUT:
             return
         self._checks_out += 1
+        self._sent += 1
         keys = tuple(self._to_ask)
         self._to_ask = {}
         self._asked.update(keys)
         self._c["keys_checked"] += len(keys)
-        self._runtime.tell(self._checker, _Check(keys=keys))
+        self._runtime.tell(self._checker, _Check(keys=keys, seq=self._sent))
 
     # -- the lower tier's protocol (the scheduler's disk paths) ---------------------------
 
@@ -321,8 +352,7 @@ class RedisTier:
         for k, f in zip(keys, failed.tolist(), strict=True):
             self._writing.discard(k)
             if f == 0:
-                self._answers[k] = (True, now + ANSWER_TTL_S)
-                self._answers.move_to_end(k)
+                self._learnt(k, True, now)
                 written.append(k)
                 unwritten.pop(k, None)
             else:
@@ -339,7 +369,7 @@ class RedisTier:
         now = self._clock()
         for k, f in zip(keys, failed.tolist(), strict=True):
             if f > 0:
-                self._answers[k] = (False, now + ANSWER_TTL_S)
+                self._learnt(k, False, now)
 
     def reset(self) -> int:
         """Forget the answers (and the chunks whose write failed: host memory is

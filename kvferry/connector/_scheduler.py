@@ -421,10 +421,15 @@ class SchedulerSide:
         if not open_.any():
             st.redis_wait_since = None
             return present
+        asked = [k for k, o in zip(keys, open_.tolist(), strict=True) if o]
+        if st.redis_wait_since is not None and redis.answered_since(asked, st.redis_wait_since):
+            # Answered since it began to wait, and the answers expired before vLLM came
+            # back (a full batch): a new question, with a wait of its own, not a miss.
+            st.redis_wait_since = None
         if st.redis_wait_since is None:
             st.redis_wait_since = self._clock()
         # Asked even when giving up: the answer serves the next lookup of these keys.
-        redis.ask([k for k, o in zip(keys, open_.tolist(), strict=True) if o])
+        redis.ask(asked)
         if redis.waited(st.redis_wait_since):
             redis.count_wait(gave_up=False)
             return None
