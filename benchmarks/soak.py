@@ -44,13 +44,16 @@ import json
 import logging
 import os
 import random
+import shutil
 import signal
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import attrs
@@ -62,6 +65,7 @@ SWITCHES: list[tuple[float, dict[str, Any] | None]] = [
     (0.04, OFF),
 ]
 DEFAULT_RATES = {"fail": 0.05, "hang": 0.02, "reject": 0.03, "crash": 0.01}
+TIERS = ("host", "disk", "redis", "disk+redis")
 
 
 @attrs.frozen(kw_only=True)
@@ -199,12 +203,16 @@ def bounded(seconds: float) -> Iterator[None]:
 
 
 def children_rss() -> int:
-    """RSS of this process's descendants (vLLM's engine core and workers), summed, bytes."""
+    """RSS of this process's descendants (vLLM's engine core and workers), summed, bytes;
+    not the Redis tier's redis-server (it holds every chunk written: the shared store's
+    memory, bounded by its own ``maxmemory``, not what kvferry keeps in vLLM's)."""
     import psutil
 
     total = 0
     for child in psutil.Process().children(recursive=True):
         try:
+            if child.name() == "redis-server":
+                continue
             total += child.memory_info().rss
         except psutil.Error:  # ended meanwhile
             pass
@@ -344,6 +352,63 @@ def start_engine(
     )
 
 
+def below_host(tiers: str, folder: str, bytes_to_use: int, stack: ExitStack) -> list[Any]:
+    """The ``tiers`` entries of the soak's config for ``--tiers``; a Redis tier's server is
+    started here (stopped when ``stack`` closes). The baseline engine has none: it moves
+    nothing anyway."""
+    out: list[Any] = []
+    if "disk" in tiers:
+        disk = os.path.join(folder, "disk")
+        shutil.rmtree(disk, ignore_errors=True)  # a kept work folder: start empty
+        out.append({"kind": "disk", "path": disk, "bytes_to_use": bytes_to_use})
+    if "redis" in tiers:
+        port = stack.enter_context(redis_server(folder))
+        out.append({"kind": "redis", "url": f"redis://127.0.0.1:{port}/0"})
+    return out
+
+
+@contextmanager
+def redis_server(folder: str) -> Iterator[int]:
+    """A redis-server of its own (Debian's package: ``make redis-server``) on a free port,
+    persisting nothing; its port."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise SystemExit("--tiers with redis needs redis-server (make redis-server)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [
+            exe,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            folder,
+        ],
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # ready once it accepts a connection
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"redis-server did not start on port {port}") from None
+                time.sleep(0.05)
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 def metric(llm: Any, name: str) -> float:
     return sum(getattr(m, "value", 0) or 0 for m in llm.get_metrics() if m.name == name)
 
@@ -378,14 +443,21 @@ def run_soak(
     workdir: str | None = None,
     log: Any = print,
     eager: bool = False,
+    tiers: str = "host",
 ) -> dict[str, Any]:
     """Run the soak and its baseline; return the figures (see the module docstring).
 
     Traffic runs for ``minutes`` of wall time, or for exactly ``waves`` waves (the same
     traffic on a busy machine as on a quiet one: what the tests use); give one.
-    ``eager``: both engines without graph capture (a shorter start; the tests')."""
+    ``eager``: both engines without graph capture (a shorter start; the tests').
+    ``tiers``: below host memory, nothing (``host``), a disk tier in the work folder
+    (``disk``), a Redis tier on a redis-server of the soak's own (``redis``), or both
+    (``disk+redis``); each holds several times what host memory does, so that most loads
+    read from it once host memory thrashed."""
     if (minutes is None) == (waves is None):
         raise ValueError("run_soak: give minutes or waves, not both")
+    if tiers not in TIERS:
+        raise ValueError(f"run_soak: tiers must be one of {TIERS}, not {tiers!r}")
     from kvferry.testing import (
         TINY_LLAMA_CONFIG,
         FaultPlan,
@@ -400,6 +472,7 @@ def run_soak(
     rates = DEFAULT_RATES if rates is None else rates
     tmp = tempfile.TemporaryDirectory() if workdir is None else None
     folder = workdir or tmp.name  # type: ignore[union-attr]
+    stack = ExitStack()  # a redis-server, stopped after both engines
     try:
         model = str(make_tiny_model(os.path.join(folder, "model")))
         fault_log = os.path.join(folder, "faults.jsonl")
@@ -415,6 +488,8 @@ def run_soak(
             "copy_engine": "kvferry.testing:soak_copy_engine",
             "traces": {"enabled": False},
         }
+        if tiers != "host":
+            ferry_cfg["tiers"] = below_host(tiers, folder, 8 * host_blocks * bb, stack)
 
         # -- the soak ------------------------------------------------------------------
         mix = Mix(seed)
@@ -507,6 +582,7 @@ def run_soak(
                 base_s = time.monotonic() - t_base
                 close_engine(base_llm)
     finally:
+        stack.close()
         if tmp is not None:
             tmp.cleanup()
 
@@ -606,6 +682,8 @@ def run_soak(
             "missed": missed,
             "loaded": loaded,
             "failed_load_tokens": failed_load_tokens,
+            "hit_on_disk": metrics.get("vllm:kvferry_disk_tokens_hit", 0.0),
+            "hit_on_redis": metrics.get("vllm:kvferry_redis_tokens_hit", 0.0),
         },
         "host_within_bounds": host_ok,
         "switch_violations": len(switch_violations),
@@ -621,6 +699,7 @@ def run_soak(
         "minutes": minutes,
         "seed": seed,
         "baseline": baseline,
+        "tiers": tiers,
         "wrong": wrong[:5],
         "hung_requests": hung[:5],
     }
@@ -647,6 +726,13 @@ def main() -> None:
         "none: no output comparison",
     )
     parser.add_argument("--host-blocks", type=int, default=40)
+    parser.add_argument(
+        "--tiers",
+        choices=TIERS,
+        default="host",
+        help="tiers below host memory: none, a disk tier in the work folder, a Redis tier on "
+        "a redis-server of its own, or both",
+    )
     parser.add_argument("--request-bound-s", type=float, default=300.0)
     parser.add_argument("--stall-s", type=float, default=180.0)
     parser.add_argument(
@@ -669,6 +755,7 @@ def main() -> None:
         stall_s=args.stall_s,
         workdir=args.workdir,
         log=lambda s: print(s, flush=True),
+        tiers=args.tiers,
     )
     rows = [
         ("requests (finished / aborted)", f"{f['requests']} ({f['finished']} / {f['aborted']})"),
@@ -697,7 +784,10 @@ def main() -> None:
         ("preemptions, resets (ok/asked)", f"{f['preemptions']:.0f}, {f['resets']}"),
         ("slowest request", f"{f['max_request_s']} s"),
     ]
-    print(f"\nsoak: {args.minutes} min, seed {args.seed}, baseline {args.baseline}")
+    print(
+        f"\nsoak: {args.minutes} min, seed {args.seed}, baseline {args.baseline}, "
+        f"tiers {args.tiers}"
+    )
     for name, value in rows:
         print(f"  {name:<32} {value}")
     if f["wrong"]:
