@@ -23,7 +23,10 @@ Checks:
   does not grow from the first half of the run to the second;
 - the metrics add up: tokens looked up = hit + missed, tokens hit = tokens loaded + the
   tokens of the loads the injector failed (those are recomputed), and every failure the
-  injector caused is counted in ``vllm:kvferry_loads_failed`` / ``stores_failed``.
+  injector caused is counted in ``vllm:kvferry_loads_failed`` / ``stores_failed``. With
+  ``--tiers``, a read the disk or Redis failed for real (a redis-server starved of CPU
+  times out, and its breaker opens) fails its load too: counted, recomputed, and shown
+  in ``tier_chunks_failed``, but not injected, so this check then reports a mismatch.
 
 The baseline is an engine with kvferry configured and every request turning it off
 (``{"load": false, "store": false}``: kvferry moves nothing), fed the same waves. Not a
@@ -685,6 +688,13 @@ def run_soak(
             "hit_on_disk": metrics.get("vllm:kvferry_disk_tokens_hit", 0.0),
             "hit_on_redis": metrics.get("vllm:kvferry_redis_tokens_hit", 0.0),
         },
+        # Reads the tiers below failed for real (not injected): a redis-server starved of
+        # CPU times out and its breaker opens; each fails its load, which the checks
+        # above then find counted beyond the injected ones.
+        "tier_chunks_failed": {
+            "disk": metrics.get("vllm:kvferry_disk_reads_failed", 0.0),
+            "redis": metrics.get("vllm:kvferry_redis_reads_failed", 0.0),
+        },
         "host_within_bounds": host_ok,
         "switch_violations": len(switch_violations),
         "host_blocks_max": max((u for u, _ in gauge_samples), default=0),
@@ -771,6 +781,7 @@ def main() -> None:
         ("hung requests", f"{f['hung']} {f['stalled'] or ''}"),
         ("engine died", str(f["engine_error"])),
         ("metrics add up", f"{f['metrics_add_up']} {f['tokens']}"),
+        ("tier reads failed (chunks)", str(f["tier_chunks_failed"])),
         (
             "host blocks max / capacity",
             f"{f['host_blocks_max']:.0f} / "
