@@ -49,17 +49,20 @@ import os
 import random
 import shutil
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 from typing import Any
 
 import attrs
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' server helpers
+
+from tests.tiers.redis_servers import RedisServer, redis_available  # noqa: E402
 
 OFF = {"kvferry": {"load": False, "store": False}}
 SWITCHES: list[tuple[float, dict[str, Any] | None]] = [
@@ -365,51 +368,13 @@ def below_host(tiers: str, folder: str, bytes_to_use: int, stack: ExitStack) -> 
         shutil.rmtree(disk, ignore_errors=True)  # a kept work folder: start empty
         out.append({"kind": "disk", "path": disk, "bytes_to_use": bytes_to_use})
     if "redis" in tiers:
-        port = stack.enter_context(redis_server(folder))
-        out.append({"kind": "redis", "url": f"redis://127.0.0.1:{port}/0"})
+        if not redis_available():
+            raise SystemExit("--tiers with redis needs redis-server (make redis-server)")
+        server = RedisServer(Path(folder) / "redis")
+        server.start()
+        stack.callback(server.kill)
+        out.append({"kind": "redis", "url": server.url})
     return out
-
-
-@contextmanager
-def redis_server(folder: str) -> Iterator[int]:
-    """A redis-server of its own (Debian's package: ``make redis-server``) on a free port,
-    persisting nothing; its port."""
-    exe = shutil.which("redis-server")
-    if exe is None:
-        raise SystemExit("--tiers with redis needs redis-server (make redis-server)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [
-            exe,
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            folder,
-        ],
-        stdout=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 30
-        while True:  # ready once it accepts a connection
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"redis-server did not start on port {port}") from None
-                time.sleep(0.05)
-        yield port
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 def metric(llm: Any, name: str) -> float:
