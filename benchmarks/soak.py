@@ -26,7 +26,8 @@ Checks:
   injector caused is counted in ``vllm:kvferry_loads_failed`` / ``stores_failed``. With
   ``--tiers``, a read the disk or Redis failed for real (a redis-server starved of CPU
   times out, and its breaker opens) fails its load too: counted, recomputed, and shown
-  in ``tier_chunks_failed``, but not injected, so this check then reports a mismatch.
+  in ``tier_chunks_failed``, but not injected, so this check then reports a mismatch;
+  ``loads_failed_by_cause`` then shows those loads as ``disk`` or ``redis``.
 
 The baseline is an engine with kvferry configured and every request turning it off
 (``{"load": false, "store": false}``: kvferry moves nothing), fed the same waves. Not a
@@ -62,6 +63,7 @@ import attrs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' server helpers
 
+from kvferry._metrics import LOAD_FAILURES  # noqa: E402
 from tests.tiers.redis_servers import RedisServer, redis_available  # noqa: E402
 
 OFF = {"kvferry": {"load": False, "store": False}}
@@ -642,6 +644,12 @@ def run_soak(
         "baseline_s": round(base_s, 1),
         "failures_counted_vs_injected": round(ratio, 4),
         "loads_failed": [loads_failed, len(injected_loads)],
+        # Why they failed: an injected fault fails a copy (or, a hang the workers did not
+        # report in time, meets the scheduler's deadline); a tier's own read failure is
+        # counted as "disk" or "redis".
+        "loads_failed_by_cause": {
+            cause: metrics.get(f"vllm:kvferry_{name}", 0.0) for cause, name in LOAD_FAILURES
+        },
         "stores_failed": [stores_failed, len(injected_stores)],
         "metrics_add_up": metrics_add_up,
         "tokens": {
@@ -747,6 +755,7 @@ def main() -> None:
         ("engine died", str(f["engine_error"])),
         ("metrics add up", f"{f['metrics_add_up']} {f['tokens']}"),
         ("tier reads failed (chunks)", str(f["tier_chunks_failed"])),
+        ("loads failed by cause", str(f["loads_failed_by_cause"])),
         (
             "host blocks max / capacity",
             f"{f['host_blocks_max']:.0f} / "

@@ -30,7 +30,7 @@ from typing import Any, TextIO
 import attrs
 
 from ._errors import ConfigError
-from ._metrics import METRICS, PREFIX, reference_markdown
+from ._metrics import LOAD_FAILURES, METRICS, PREFIX, reference_markdown
 
 EXIT_OK, EXIT_BAD, EXIT_USAGE = 0, 1, 2
 CONNECTOR = "KVFerryConnector"
@@ -354,6 +354,15 @@ def render_frame(frame: Frame) -> Any:
         ", ".join(f"{f.get(n):,.0f}" for n in failures),
         style="red" if failed else None,
     )
+    if f.get("loads_failed"):
+        table.add_row(
+            "loads failed by cause",
+            "",
+            ", ".join(
+                f"{cause} {f.get(name):,.0f}" for cause, name in LOAD_FAILURES if f.get(name)
+            ),
+            style="red",
+        )
     table.add_row(
         "stores skipped / fenced, lookups deferred",
         "",

@@ -91,6 +91,24 @@ METRICS: tuple[Metric, ...] = (
     _counter("load_seconds", "seconds", "Seconds spent in host -> device copies."),
     _counter("store_seconds", "seconds", "Seconds spent in device -> host copies."),
     _counter("loads_failed", "jobs", "Load jobs that failed (their blocks were recomputed)."),
+    _counter(
+        "loads_failed_copy",
+        "jobs",
+        "Of loads_failed, those whose copy failed on a worker (an error, a rejected submit, "
+        "the worker's job deadline).",
+    ),
+    _counter(
+        "loads_failed_deadline",
+        "jobs",
+        "Of loads_failed, those no worker reported within job_timeout_s (the scheduler "
+        "ended them).",
+    ),
+    _counter(
+        "loads_failed_unplanned",
+        "jobs",
+        "Of loads_failed, those the scheduler could not plan (a warning or an error in the "
+        "log says why); nothing was copied.",
+    ),
     _counter("stores_failed", "jobs", "Store jobs that failed (their blocks were dropped)."),
     _counter(
         "stores_fenced",
@@ -126,6 +144,11 @@ METRICS: tuple[Metric, ...] = (
         "a miss each, deleted, never loaded.",
     ),
     _counter(
+        "disk_loads_failed",
+        "jobs",
+        "Of loads_failed, those a chunk of whose disk reads failed (counted in disk_reads_failed).",
+    ),
+    _counter(
         "disk_reads_failed",
         "blocks",
         "Chunk reads that failed for any reason (corrupt, gone, I/O error): their loads "
@@ -154,6 +177,12 @@ METRICS: tuple[Metric, ...] = (
         "blocks",
         "Redis values that failed verification on a read (header, fingerprint, checksum, "
         "decryption): a miss each, deleted, never loaded.",
+    ),
+    _counter(
+        "redis_loads_failed",
+        "jobs",
+        "Of loads_failed, those a chunk of whose Redis reads failed and none of whose disk "
+        "reads did (counted in redis_reads_failed).",
     ),
     _counter(
         "redis_reads_failed",
@@ -202,6 +231,15 @@ METRICS: tuple[Metric, ...] = (
 
 BY_FULL_NAME: Mapping[str, Metric] = {m.full_name: m for m in METRICS}
 COUNTERS: tuple[Metric, ...] = tuple(m for m in METRICS if m.kind == "counter")
+LOAD_FAILURES: tuple[tuple[str, str], ...] = (
+    ("copy", "loads_failed_copy"),
+    ("deadline", "loads_failed_deadline"),
+    ("disk", "disk_loads_failed"),
+    ("redis", "redis_loads_failed"),
+    ("unplanned", "loads_failed_unplanned"),
+)
+"""Each cause a failed load is counted under (besides ``loads_failed``), and its
+counter's short name: the host tier's causes, then each tier's own."""
 GAUGES: tuple[Metric, ...] = tuple(m for m in METRICS if m.kind == "gauge")
 UNKNOWN_METRICS = PREFIX + "unknown_metrics"
 """The exporter's own counter: not reported by the scheduler half."""

@@ -299,6 +299,19 @@ def test_top_once_shows_hit_rate_throughput_occupancy_and_failures(
     assert "30 / 120 (25.0%)" in line
     line = next(x for x in out.splitlines() if x.lstrip("│ ").startswith("failures"))
     assert "0, 2, 0" in line
+    assert "by cause" not in out  # no load failed
+
+
+def test_top_says_why_loads_failed(exporter: tuple[str, dict[str, Any]]) -> None:
+    pytest.importorskip("rich")
+    url, m = exporter
+    m["loads_failed"].inc(5)
+    m["loads_failed_copy"].inc(3)
+    m["redis_loads_failed"].inc(2)
+    r = kvferry("top", "--once", url)
+    assert r.returncode == 0, r.stderr
+    line = next(x for x in r.stdout.splitlines() if "loads failed by cause" in x)
+    assert "copy 3, redis 2" in line
 
 
 def test_top_refreshes_until_its_frame_count(exporter: tuple[str, dict[str, Any]]) -> None:

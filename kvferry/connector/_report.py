@@ -45,6 +45,19 @@ class SchedulerStatistics:
     store_seconds: float
     jobs_in_flight: int
     directory: DirectoryStatistics
+    loads_failed_copy: int = 0
+    """Of ``loads_failed``, those whose copy failed on a worker: an error, a rejected
+    submit, or the worker's own deadline (``job_timeout_s``) cancelling it."""
+    disk_loads_failed: int = 0
+    """Of ``loads_failed``, those a chunk of whose disk reads failed (before any copy)."""
+    redis_loads_failed: int = 0
+    """Of ``loads_failed``, those a chunk of whose Redis reads failed (no disk chunk did)."""
+    loads_failed_deadline: int = 0
+    """Of ``loads_failed``, those no worker reported within ``job_timeout_s``: the
+    scheduler ended them."""
+    loads_failed_unplanned: int = 0
+    """Of ``loads_failed``, those the scheduler could not plan (``load_not_planned`` or a
+    broken invariant in the log): planned failed, nothing copied."""
     disk_tokens_hit: int = 0
     disk_read_bytes: int = 0
     disk_read_seconds: float = 0.0
@@ -197,11 +210,15 @@ _HOST_COUNTS = (
     ("load_seconds", "load_seconds"),
     ("store_seconds", "store_seconds"),
     ("loads_failed", "loads_failed"),
+    ("loads_failed_copy", "loads_failed_copy"),
+    ("loads_failed_deadline", "loads_failed_deadline"),
+    ("loads_failed_unplanned", "loads_failed_unplanned"),
     ("stores_failed", "stores_failed"),
     ("stores_fenced", "stores_fenced"),
     ("lookups_deferred", "lookups_deferred"),
 )
 _DISK_COUNTS = (
+    ("disk_loads_failed", "disk_loads_failed"),
     ("disk_tokens_hit", "disk_tokens_hit"),
     ("disk_read_bytes", "disk_read_bytes"),
     ("disk_read_seconds", "disk_read_seconds"),
@@ -213,6 +230,7 @@ _DISK_COUNTS = (
     ("disk_writes_failed", "disk_writes_failed"),
 )
 _REDIS_COUNTS = (
+    ("redis_loads_failed", "redis_loads_failed"),
     ("redis_tokens_hit", "redis_tokens_hit"),
     ("redis_read_bytes", "redis_read_bytes"),
     ("redis_read_seconds", "redis_read_seconds"),

@@ -125,6 +125,8 @@ class JobState:
     demotion: bool = False
     """A disk write of blocks host memory evicted (``write: "on_evict"``): its host slots
     are DEMOTING, freed (not unpinned) when it ends."""
+    unplanned: bool = False
+    """A load the scheduler could not plan: planned failed, it copies nothing."""
     first_chunk: int | None = None
     """A planned load: the first chunk it fills. Failed, its request stores from there
     again once vLLM recomputed the blocks (a chunk that failed its read is nowhere now)."""

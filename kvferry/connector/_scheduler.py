@@ -691,6 +691,7 @@ class SchedulerSide:
             slots=np.zeros(0, np.int64),
             tokens=0,
             failed=True,
+            unplanned=True,
             deadline=self._clock() + self.cfg.job_timeout_s,
         )
         if st.load_job is None:
@@ -1055,7 +1056,7 @@ class SchedulerSide:
             # Its disk chunks' host slots stay reserved until every worker reported: a late
             # read still writes into them (_ack_expired ends them).
             self._report.dirty = True
-            self._c["loads_failed"] += 1
+            self._count_failed_load(job, expired=True)
             reason = f"no worker reported it within job_timeout_s={self.cfg.job_timeout_s}"
             self._log.error(
                 "load_deadline_exceeded",
@@ -1085,6 +1086,25 @@ class SchedulerSide:
         self._store_again(st, job)
         if st is not None and st.load_job == job.job_id:
             st.load_job = None
+
+    def _count_failed_load(self, job: JobState, *, expired: bool = False) -> None:
+        """Count a load that failed, and its cause: the first that applies of the
+        scheduler not planning it, its deadline passing unreported (``expired``), a chunk
+        of its disk reads failing, one of its Redis reads, and its copy. A worker whose
+        read of a tier failed starts no copy, so a load's copy fails only where every
+        read succeeded."""
+        if job.unplanned:
+            cause = "loads_failed_unplanned"
+        elif expired:
+            cause = "loads_failed_deadline"
+        elif job.disk_failed is not None and job.disk_failed.any():
+            cause = "disk_loads_failed"
+        elif job.redis_failed is not None and job.redis_failed.any():
+            cause = "redis_loads_failed"
+        else:
+            cause = "loads_failed_copy"
+        self._c["loads_failed"] += 1
+        self._c[cause] += 1
 
     def _store_again(self, st: ReqState | None, job: JobState) -> None:
         """A load failed: vLLM recomputes its blocks, and they are offered to the store
@@ -1168,13 +1188,14 @@ class SchedulerSide:
                 if len(valid) or len(handed):
                     self.directory_tell(CompleteLoad(slots=valid, handed=handed))
                 self._writes.reads_ended(job)
-                self._c["loads_failed" if job.failed else "loads_done"] += 1
-                if not job.failed:
-                    self._c["tokens_loaded"] += job.tokens
                 if job.failed:
+                    self._count_failed_load(job)
                     self._store_again(st, job)
                     if st is not None:
                         st.load_failed = True
+                else:
+                    self._c["loads_done"] += 1
+                    self._c["tokens_loaded"] += job.tokens
                 if st is not None and st.load_job == job_id:
                     st.load_job = None
                     if not job.failed:

@@ -120,6 +120,7 @@ def test_a_chunk_damaged_on_disk_fails_the_load_and_leaves_the_tier(
     assert [e.block(x) for x in (9, 10, 11)] == before  # nothing copied
     stats = e.sched.statistics()
     assert stats.loads_failed == 1 and stats.disk_chunks_corrupt == 1
+    assert (stats.disk_loads_failed, stats.loads_failed_copy) == (1, 0)  # no copy started
     assert e.sched.disk.ready(keys).tolist() == [True, False, True]
     assert not os.path.exists(path)
 

@@ -216,7 +216,8 @@ def test_a_chunk_that_failed_its_read_is_dropped_and_deleted(side: Any) -> None:
     assert side.disk.ready(_keys(a, 2)).tolist() == [True, False]
     assert host(side).ready == 1 and host(side).storing == 0  # the good one promoted
     assert side.build_connector_meta(step({}, {})).disk_deletes == [key(a, 1)]
-    assert side.statistics().loads_failed == 1
+    stats = side.statistics()
+    assert (stats.loads_failed, stats.disk_loads_failed, stats.loads_failed_copy) == (1, 1, 0)
     # vLLM recomputes b's blocks: they are stored again (the chunk that failed its read
     # is nowhere now; the one promoted to host memory is skipped as present).
     meta = side.build_connector_meta(step({"b": ([5, 6, 7],)}, {"b": 2 * BLOCK + 8}))

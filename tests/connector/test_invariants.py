@@ -44,7 +44,8 @@ def test_an_allocation_for_tokens_never_announced_fails_that_load(
     assert [list(p.device_blocks) for p in load.copy.parts] == [[5, 6]]  # null block left out
     assert scheduler.request_finished(a, ([0, 5, 6],))[0] is True  # vLLM waits for it
     scheduler.update_connector_output(failed_ack(load.copy.job_id, "a"))
-    assert scheduler.statistics().loads_failed == 1
+    stats = scheduler.statistics()
+    assert (stats.loads_failed, stats.loads_failed_unplanned, stats.loads_failed_copy) == (1, 1, 0)
     assert "a" not in scheduler._reqs
 
 

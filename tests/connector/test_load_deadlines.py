@@ -74,7 +74,8 @@ def test_a_load_never_acknowledged_ends_failed_at_its_deadline(
     clock.now += 0.1
     meta = scheduler.build_connector_meta(step({}, {}))
     assert meta.failed_load_job_ids == [job_id]  # the workers report its blocks invalid
-    assert scheduler.statistics().loads_failed == 1
+    stats = scheduler.statistics()
+    assert (stats.loads_failed, stats.loads_failed_deadline, stats.loads_failed_copy) == (1, 1, 0)
     assert pinned(scheduler) == 0
     assert "load_deadline_exceeded" in caplog.text
     # The request that waited on it is held back no longer.
@@ -92,6 +93,7 @@ def test_a_load_never_acknowledged_ends_failed_at_its_deadline(
     assert "ack_for_unknown_job" not in caplog.text
     stats = scheduler.statistics()
     assert (stats.loads_failed, stats.loads_done, stats.jobs_in_flight) == (1, 0, 0)
+    assert stats.loads_failed_deadline == 1 and stats.loads_failed_copy == 0
     assert "a" not in scheduler._reqs
     assert scheduler._expired == {}
 

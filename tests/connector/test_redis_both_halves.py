@@ -156,6 +156,7 @@ def test_a_damaged_value_fails_the_load_and_is_deleted(
     assert b.load_errors == {3, 4}  # recomputed by vLLM, never loaded
     stats = b.sched.statistics()
     assert stats.redis_chunks_corrupt == 1 and stats.loads_failed == 1
+    assert (stats.redis_loads_failed, stats.disk_loads_failed, stats.loads_failed_copy) == (1, 0, 0)
     assert server.cli("exists", second).strip() == "0"  # deleted by the reader
     # The failed chunk is known absent now: the next lookup hits the first chunk only.
     again = request("r3", 2 * BLOCK + 8, seed=7)

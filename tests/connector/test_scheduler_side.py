@@ -165,7 +165,8 @@ def test_a_request_whose_load_failed_loads_nothing_more(scheduler: Any) -> None:
             kv_connector_worker_meta=failed, finished_sending=None, finished_recving={"a"}
         )
     )
-    assert scheduler.statistics().loads_failed == 1
+    stats = scheduler.statistics()
+    assert (stats.loads_failed, stats.loads_failed_copy, stats.loads_failed_deadline) == (1, 1, 0)
     assert scheduler.get_num_new_matched_tokens(a, 0) == (0, False)
     scheduler.on_new_request(b)
     assert scheduler.get_num_new_matched_tokens(b, 0) == (4 * BLOCK, True)

@@ -47,6 +47,8 @@ def test_failed_loads_are_recomputed_and_failed_stores_never_hit(
     assert faulty["tokens"] == reference["tokens"]
     m = faulty["metrics"]
     assert m["vllm:kvferry_loads_failed"] > 0
+    # every one a failed copy (the engine's), counted by that cause in vLLM's metrics too
+    assert m["vllm:kvferry_loads_failed_copy"] == m["vllm:kvferry_loads_failed"]
     assert m["vllm:kvferry_stores_failed"] > 0
     # loads that did not fail still served tokens from host memory
     assert m["vllm:kvferry_tokens_loaded"] > 0

@@ -122,6 +122,11 @@ def test_every_injected_failure_is_counted(soak: dict[str, Any]) -> None:
     assert soak["loads_failed"][0] == soak["loads_failed"][1]
     assert soak["stores_failed"][0] == soak["stores_failed"][1]
     assert soak["failures_counted_vs_injected"] == 1.0
+    # Each counted by its cause: the injector fails copies (a hang, unreported in time,
+    # meets the scheduler's deadline instead); host memory alone, no tier read fails.
+    cause = soak["loads_failed_by_cause"]
+    assert cause["copy"] + cause["deadline"] == soak["loads_failed"][1]
+    assert cause["disk"] == cause["redis"] == cause["unplanned"] == 0
 
 
 def test_loaded_plus_recomputed_equals_hit(soak: dict[str, Any]) -> None:
