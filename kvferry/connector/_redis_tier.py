@@ -14,10 +14,11 @@ Redis is slow to answer, later keys wait for a later step's check, so the checke
 mailbox never fills (a full one would make the engine thread wait for Redis in
 :meth:`RedisTier.flush`). While a request's answer is out, its lookup says "ask again"
 (vLLM's ``None``), for at most ``lookup_wait_ms``; then the chunks not answered for are
-misses. Answers are kept a short while (:data:`ANSWER_TTL_S`); a chunk this engine wrote
-is known present, one whose read failed is known absent. What this engine learnt of a chunk
-(its write ended, its read failed) is newer than the answer of any check sent before: such
-an answer, drained later, leaves it alone.
+misses. Answers are kept a short while (:data:`ANSWER_TTL_S`), then forgotten; a chunk
+this engine wrote is known present, one whose read failed is known absent. What this engine
+learnt of a chunk (its write ended, its read failed) is newer than the answer of any check
+sent before: such an answer, drained later, leaves it alone, and so does one drained after
+that fact was forgotten (expired, or a reset) or after a reset.
 
 A hit is read Redis -> host slot -> device like a disk hit (the host slot is reserved at
 the lookup), so the scheduler's load path is the disk tier's; a Redis chunk that is gone
@@ -33,6 +34,7 @@ back, the prefixes in use reach it without being stored again.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -58,7 +60,8 @@ ANSWER_TTL_S = 2.0
 absent answer, or Redis evict it after a present one (its read then fails: recomputed)."""
 
 MAX_ANSWERS = 1 << 18
-"""Answers remembered at most (the oldest are forgotten first)."""
+"""Answers remembered at most (the oldest are forgotten first), expired or not: a bound for
+a burst, as an answer is forgotten anyway once it expired."""
 
 RETRY_S = 5.0
 """How long after a chunk's write failed (Redis down, full, slow) it is offered to Redis
@@ -164,6 +167,11 @@ class RedisTier:
         """Key -> (present, when learnt, after which check): the check's number for its
         answer; for what this engine learnt itself (a write, a failed read), the number
         of the next check to be sent (the answers of those sent before are older)."""
+        self._floor = 0
+        """Answers of checks numbered below are dropped when drained: sent before a reset,
+        or before a fact this engine learnt that is forgotten now (see :meth:`_forget`)."""
+        self._failed_at = -math.inf
+        """When a check last went unanswered (:meth:`answered_since`)."""
         self._answered: deque[tuple[int, tuple[bytes, ...], Bools | None]] = deque()
         """(seq, keys, found) from the checker; found None: no answer (asked again later)."""
         self._sent = 0
@@ -220,10 +228,14 @@ class RedisTier:
             self._checks_out -= 1
             if found is None:
                 self._asked.difference_update(keys)
+                self._failed_at = now
                 self._c["checks_unanswered"] += 1
                 continue
+            stale = seq < self._floor
             for k, f in zip(keys, found.tolist(), strict=True):
                 self._asked.discard(k)
+                if stale:  # asked again by the next lookup that needs it
+                    continue
                 a = answers.get(k)
                 if a is not None and a[2] > seq:
                     # Learnt after this check was sent (written, or its read failed):
@@ -232,8 +244,25 @@ class RedisTier:
                 answers[k] = (f, now, seq)
                 answers.move_to_end(k)
             self._c["keys_found"] += int(found.sum())
-        while len(answers) > MAX_ANSWERS:
-            answers.popitem(last=False)
+        self._forget(now)
+
+    def _forget(self, now: float) -> None:
+        """Forget the answers expired (and the oldest beyond :data:`MAX_ANSWERS`): an engine
+        that sees many distinct prompts would otherwise hold every answer it ever had, and
+        pay for a big dict at each lookup. Each answer is moved to the end when learnt, on
+        a monotonic clock: the expired ones lead, and each is dropped once.
+
+        A fact this engine learnt shields its chunk from the answers of checks sent before
+        it (:meth:`_learnt`); forgotten, it shields nothing, so those checks' answers are
+        dropped from now on (the floor). Such a check is one out for longer than an answer
+        is trusted: its keys are asked again by the next lookup that needs them."""
+        answers = self._answers
+        while answers:
+            k, (_, learnt, seq) = next(iter(answers.items()))
+            if learnt + ANSWER_TTL_S >= now and len(answers) <= MAX_ANSWERS:
+                break
+            del answers[k]
+            self._floor = max(self._floor, seq)
 
     def known(self, keys: Sequence[bytes]) -> tuple[Bools, Bools]:
         """(present, unknown) per key: what the answers say now; a key neither known
@@ -254,11 +283,22 @@ class RedisTier:
     def answered_since(self, keys: Sequence[bytes], since: float) -> bool:
         """Whether every key was answered for (or written, or failed a read) at ``since``
         or later, trusted still or not: a lookup that began to wait at ``since`` and finds
-        them unknown again waited for nothing still out (see :meth:`known`)."""
+        them unknown again waited for nothing still out (see :meth:`known`).
+
+        An expired answer is forgotten (:meth:`_forget`), so a key without one counts as
+        answered unless its question is still out (to be sent, or sent) or a check went
+        unanswered since ``since``: a lookup that waited since then asked it, and that
+        question ended in an answer or a failure. A failure keeps the wait it ends (then
+        a miss), as Redis that does not answer must not hold a request back for more than
+        ``lookup_wait_ms`` a time; which check failed is not kept: any failure does."""
         answers = self._answers
+        failed = self._failed_at >= since
         for k in keys:
             a = answers.get(k)
-            if a is None or a[1] < since:
+            if a is not None:
+                if a[1] < since:
+                    return False
+            elif failed or k in self._asked or k in self._to_ask:
                 return False
         return bool(keys)
 
@@ -373,9 +413,13 @@ class RedisTier:
 
     def reset(self) -> int:
         """Forget the answers (and the chunks whose write failed: host memory is
-        emptied). The chunks stay in Redis: other engines share them."""
+        emptied). The chunks stay in Redis: other engines share them. The answers of the
+        checks out are forgotten too, when they come: what was known before the reset is
+        known no longer, and such an answer may be older than a fact it forgets (a read
+        that failed: the chunk a hit again, its loads failing)."""
         n = len(self._answers)
         self._answers.clear()
+        self._floor = self._sent + 1
         self._unwritten.clear()
         return n
 
