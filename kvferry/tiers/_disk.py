@@ -40,18 +40,21 @@ followed (every rank uses its ``<digest>``).
 
 A namespace outlives its engine: when two engines of a fingerprint on ``path`` become
 one, ``<digest>.1`` keeps up to ``bytes_to_use`` of chunks nobody takes again. Its
-``lock`` file's mtime says when a store last took it or let it go (touched then), its fan
-directories' when a chunk was last written or deleted there; a store holding its own
-namespace locked, when it scans at start, reclaims every other namespace of its
+``lock`` file's mtime says when a store last took it, let it go, or used it (touched
+then; while it holds it, again at a read or write once :data:`LOCK_REFRESH_S` passed),
+its fan directories' when a chunk was last written or deleted there; a store holding its
+own namespace locked, when it scans at start, reclaims every other namespace of its
 fingerprint that nobody holds (it takes the ``flock`` itself, non-blocking, and holds it
 while it deletes: no engine can take it meanwhile) and that has been idle for
 :data:`STALE_NAMESPACE_S` (a day): its files, then its ``lock`` file, its directory, and
-only then the ``flock``. A store taking a namespace checks, once it holds the ``flock``,
+only then the ``flock``. One it cannot remove whole (a file no store makes left in it, a
+delete that failed) keeps its ``lock`` file, so that later starts judge it again, and is
+logged, not counted. A store taking a namespace checks, once it holds the ``flock``,
 that the ``lock`` file at the path is still the one it locked (one opened before a
 reclaim removed it is not), and else opens it afresh. A store without a lock (no
 ``flock`` on the file system, or attached) reclaims nothing. A rank that follows rank 0
-(above) does not reclaim its ``<dr>.n`` while rank 0's ``<d0>.n`` was taken or let go
-within :data:`STALE_NAMESPACE_S` (its ``lock`` file's mtime): an engine whose rank 0
+(above) does not reclaim its ``<dr>.n`` while rank 0's ``<d0>.n`` was taken, let go or
+used within :data:`STALE_NAMESPACE_S` (its ``lock`` file's mtime): an engine whose rank 0
 took ``<d0>.n`` a moment ago has its rank ``r`` about to take ``<dr>.n``, and finds the
 chunks the earlier engine left there, beside rank 0's.
 
@@ -168,7 +171,16 @@ the store holds locked, ``scan`` deletes every ``.tmp`` at once."""
 LOCK_FILE = "lock"
 """In a namespace: the file whose ``flock`` its store holds; it reads the holder's
 ``owner`` (see :class:`DiskStore`). Its mtime is when a store last took or let go of the
-namespace."""
+namespace, or used it (:data:`LOCK_REFRESH_S`)."""
+
+LOCK_REFRESH_S = 3600.0
+"""A store holding its namespace touches its ``lock`` file again at a read or write once
+this long passed since it last did (its ``clock``): a live engine's ``lock`` file stays
+fresh, however long it runs. A rank that follows rank 0 into a namespace held waits
+while its ``lock`` file is stale (a reclaim's hold, let go soon: :func:`_may_be_reclaimed`);
+an engine that ran over a day on a ``lock`` file touched only when it took it looked like
+one, and the rank waited :data:`FOLLOW_WAIT_S` for nothing. (One that neither read nor
+wrote for :data:`STALE_NAMESPACE_S` still does.) Read at each call (tests change it)."""
 
 STALE_NAMESPACE_S = 24 * 3600.0
 """A namespace of our fingerprint that nobody holds locked, that no store took or let go
@@ -180,8 +192,19 @@ its own namespace reclaims it at its start scan, freeing up to that engine's
 reboot, a failure fixed the next morning) takes its namespace again and finds its
 chunks; a prefix cache a day old is worth less than the disk it holds, and a day later
 the engines on ``path`` most likely stay fewer. The fan directories count too: an
-engine killed after a long run (no ``close``, its ``lock`` file as old as its start) is
-not stale while it wrote within the day. Read at each scan (tests change it)."""
+engine killed after a long run (no ``close``, its ``lock`` file touched up to
+:data:`LOCK_REFRESH_S` before its last read or write) is not stale while it wrote within
+the day. Read at each scan (tests change it)."""
+
+_DESCRIPTIONS = frozenset(("fingerprint.json", "layout.json"))
+"""At a namespace's top, the files that describe it: the store's ``fingerprint.json``
+and the connector's ``layout.json`` (``kvferry.connector._worker.LAYOUT_FILE``). A
+reclaim deletes these (and ``.tmp`` files), and no other file there (see
+:meth:`DiskStore._empty`)."""
+
+_LEFT_NAMED = 8
+"""At most this many of the names left in a namespace a reclaim could not remove are
+logged (``disk_namespace_not_reclaimed``)."""
 
 _RETAKES = 8
 """Attempts to lock one namespace whose ``lock`` file (or directory) a reclaim removes
@@ -361,7 +384,9 @@ class ScanReport:
     reclaimed_namespaces: int
     """Other namespaces of our fingerprint nobody held and idle for
     :data:`STALE_NAMESPACE_S` (left by engines that no longer run): deleted, files and
-    directory (only by a store holding its own namespace locked)."""
+    directory (only by a store holding its own namespace locked). One emptied but not
+    removed (a file no store makes in it, a delete that failed) is not counted here but
+    in ``sibling_namespaces`` (``disk_namespace_not_reclaimed`` in the log)."""
     reclaimed_bytes: int
     """The chunk and ``.tmp`` files' bytes those reclaims deleted (with those of a
     reclaim the scan's budget stopped midway: the rest at a later start)."""
@@ -423,7 +448,8 @@ class DiskStore:
     ``leader``: the fingerprint of the engine's rank 0 (on the other ranks of an engine of
     several; with a non-empty ``owner``): the store takes the sibling index rank 0's store
     took, waiting for it up to :data:`FOLLOW_WAIT_S` (see the module docstring). ``clock``
-    (monotonic seconds) and ``sleep`` time that wait (tests: no real sleep).
+    (monotonic seconds) and ``sleep`` time that wait (tests: no real sleep); ``clock``
+    also times when the ``lock`` file is touched again (:data:`LOCK_REFRESH_S`).
 
     The index is empty until :meth:`scan` (call it once at start, off the event loop).
     """
@@ -469,6 +495,8 @@ class DiskStore:
         self._sleep = sleep
         self._lock_fd: int | None = None
         self._lock_token: object = None
+        self._touched = self._now()
+        """When (``clock``) the ``lock`` file was last touched: :meth:`_keep_fresh`."""
         self._release: Callable[[], object] = lambda: None
         if attach:
             self.namespace = self._attached_namespace()
@@ -706,11 +734,30 @@ class DiskStore:
         """Keep ``namespace``'s lock (``fd``, locked) until :meth:`close`."""
         self._write_owner(fd)
         _touch(fd)  # taken now: not stale (see STALE_NAMESPACE_S)
+        self._touched = self._now()
         self._lock_fd, self._lock_token = fd, token
         key = (os.path.realpath(self.root), self.fingerprint.digest)
         with _held_lock:
             _held.setdefault(key, []).append(namespace)
         self._release = weakref.finalize(self, _release, fd, token, key, namespace)
+
+    def _now(self) -> float:
+        return (self._clock or time.monotonic)()
+
+    def _keep_fresh(self) -> None:
+        """At a read or write: touch the ``lock`` file of the namespace held again once
+        :data:`LOCK_REFRESH_S` passed since it was last (a live engine's stays fresh: see
+        there). One clock read per call; the ``lock`` file's descriptor is touched only
+        while still this store's (under ``_held_lock``: not closed meanwhile, nor a
+        forked child's copy, closed at the fork)."""
+        now = self._now()
+        if now - self._touched < LOCK_REFRESH_S:
+            return
+        self._touched = now
+        with _held_lock:
+            fd = self._lock_fd
+            if fd is not None and _lock_fds.get(fd) is self._lock_token:
+                _touch(fd)
 
     def _write_owner(self, fd: int) -> None:
         try:
@@ -928,7 +975,10 @@ class DiskStore:
         file, and sees that (:meth:`_take_namespace`). A namespace with no ``lock`` file
         (a store taking it made the directory a moment ago; no ``flock`` here) is not
         judged. A store that follows rank 0 keeps one whose index rank 0 took lately
-        (:meth:`_followed_soon`)."""
+        (:meth:`_followed_soon`). One that cannot be removed whole (a file not the
+        store's in it, a removal that failed) keeps a ``lock`` file (:meth:`_remove`), so
+        that later scans judge it again, is not counted, and is logged
+        (``disk_namespace_not_reclaimed``, once a scan)."""
         reclaimed: list[str] = []
         nbytes = 0
         complete = True
@@ -954,18 +1004,25 @@ class DiskStore:
                 if last is None or self._followed_soon(name):
                     continue
                 try:
-                    deleted, complete = self._empty(namespace, last, deadline)
+                    deleted, complete, error = self._empty(namespace, last, deadline)
                 except OSError:
                     continue  # cannot list it: left as it is
                 nbytes += deleted
                 if not complete:
                     break  # the rest at a later start: still stale (see _empty)
-                try:
-                    os.unlink(lock_path)
-                    os.rmdir(namespace)
-                except OSError:
-                    pass  # a file not ours left in it: the directory stays, unlocked
-                reclaimed.append(name)
+                removed = self._remove(namespace, lock_path, last)
+                if removed is True:
+                    reclaimed.append(name)
+                elif removed is not False:
+                    self._log.warning(
+                        "disk_namespace_not_reclaimed",
+                        path=str(namespace),
+                        error=repr(error or removed["error"]),
+                        left=removed["left"],
+                        note="stale, emptied of this store's files, but not removed: "
+                        "what is left is not this store's, or could not be deleted; "
+                        "judged again at the next start",
+                    )
             finally:
                 _close_lock(fd, token)
         if reclaimed or nbytes:
@@ -982,7 +1039,7 @@ class DiskStore:
 
     def _followed_soon(self, name: str) -> bool:
         """For a store that follows rank 0 (``leader``): whether rank 0's namespace of the
-        index of ``name`` (ours) was taken or let go within :data:`STALE_NAMESPACE_S`
+        index of ``name`` (ours) was taken, let go or used within :data:`STALE_NAMESPACE_S`
         (its ``lock`` file's mtime): that engine's rank of ours may be about to take
         ``name``, and find the chunks left there beside rank 0's."""
         if self._leader is None:
@@ -1016,15 +1073,21 @@ class DiskStore:
         last = max(times)
         return last if last < time.time() - STALE_NAMESPACE_S else None
 
-    def _empty(self, namespace: Path, last: float, deadline: float) -> tuple[int, bool]:
-        """Delete a stale namespace's files (its ``lock`` file aside): chunk and ``.tmp``
-        files in the fan directories, then those directories; at its top, its
-        descriptions (``fingerprint.json``, the connector's ``layout.json``) and their
-        temporaries. Files of other names, and other directories, stay (then so does the
-        namespace's directory). The bytes of the chunk and ``.tmp`` files deleted, and
-        whether all was done before ``deadline``; a fan directory left behind gets its
-        mtime ``last`` back (the deletes changed it), so the namespace stays stale."""
+    def _empty(
+        self, namespace: Path, last: float, deadline: float
+    ) -> tuple[int, bool, OSError | None]:
+        """Delete a stale namespace's files (its ``lock`` file aside): in the fan
+        directories, the chunk files (names the scan indexes: :meth:`_key_of`) and
+        ``.tmp`` files, then those directories; at its top, its descriptions
+        (:data:`_DESCRIPTIONS`) and ``.tmp`` files (theirs, the O_DIRECT probe's). Only
+        what a store makes: files of other names (another ``.kvc``, another ``.json``),
+        and other directories, stay (then so does the namespace's directory). The bytes
+        of the chunk and ``.tmp`` files deleted, whether all was done before
+        ``deadline``, and the first error deleting one of them (it stays too); a fan
+        directory left behind gets its mtime ``last`` back (the deletes changed it), so
+        the namespace stays stale."""
         nbytes = 0
+        error: OSError | None = None
         with os.scandir(namespace) as top:
             entries = list(top)
         for entry in entries:
@@ -1035,18 +1098,24 @@ class DiskStore:
                 try:
                     with os.scandir(entry.path) as it:
                         files = list(it)
-                except OSError:
-                    files = []
+                except OSError as exc:
+                    files, error = [], error or exc
                 for file in files:
                     if time.monotonic() > deadline:
                         done = False
                         break
-                    if not file.name.endswith((_SUFFIX, _TEMP_SUFFIX)):
-                        continue
+                    if not (
+                        file.name.endswith(_TEMP_SUFFIX)
+                        or self._key_of(entry.name, file.name) is not None
+                    ):
+                        continue  # not a store's file: left alone, as the scan does
                     try:
                         size = file.stat(follow_symlinks=False).st_size
                         self._ops.unlink(file.path)
-                    except OSError:
+                    except FileNotFoundError:
+                        continue
+                    except OSError as exc:
+                        error = error or exc
                         continue
                     nbytes += size
                 try:
@@ -1057,13 +1126,50 @@ class DiskStore:
                     except OSError:
                         pass
                 if not done:
-                    return nbytes, False
-            elif entry.name != LOCK_FILE and entry.name.endswith((".json", _TEMP_SUFFIX)):
+                    return nbytes, False, error
+            elif entry.name in _DESCRIPTIONS or entry.name.endswith(_TEMP_SUFFIX):
                 try:
                     os.unlink(entry.path)
-                except OSError:
+                except FileNotFoundError:
                     pass
-        return nbytes, True
+                except OSError as exc:
+                    error = error or exc
+        return nbytes, True, error
+
+    def _remove(self, namespace: Path, lock_path: Path, last: float) -> bool | dict[str, Any]:
+        """Remove an emptied namespace (:meth:`_empty`; its ``flock`` held here): its
+        ``lock`` file, then its directory. True once removed; False where a store made a
+        ``lock`` file in it again meanwhile (it takes the namespace: in use now); else
+        the warning's fields (the error, what is left), the namespace left as later
+        scans judge it again: with a ``lock`` file as old as it was.
+
+        A namespace without a ``lock`` file is never judged (:meth:`_stale`): were the
+        file removed while anything else stays, that would stay forever. So it goes only
+        once nothing else is left; and where the directory cannot be removed after it
+        (a file made there meanwhile, an error), a new one is made with the old mtime
+        (:func:`_restore_lock`)."""
+        try:
+            left = _left_in(namespace)
+        except OSError as exc:
+            return {"error": exc, "left": []}
+        if left:
+            full = OSError(errno.ENOTEMPTY, os.strerror(errno.ENOTEMPTY), str(namespace))
+            return {"error": full, "left": left}
+        try:
+            self._ops.unlink(str(lock_path))
+        except OSError as exc:
+            return {"error": exc, "left": [LOCK_FILE]}
+        try:
+            os.rmdir(namespace)
+        except OSError as exc:
+            if not _restore_lock(lock_path, last):
+                return False
+            try:
+                left = _left_in(namespace)
+            except OSError:
+                left = []
+            return {"error": exc, "left": left}
+        return True
 
     def _entries(self) -> Iterator[tuple[str, os.DirEntry[str]]]:
         for fan in sorted(os.scandir(self.namespace), key=lambda e: e.name):
@@ -1192,6 +1298,7 @@ class DiskStore:
             self._index[key] = size
             self._counts["writes"] += 1
             self._counts["bytes_written"] += n
+        self._keep_fresh()
         return Outcome.OK
 
     def _write_file(self, tmp: str, buffers: list[memoryview]) -> None:
@@ -1276,6 +1383,7 @@ class DiskStore:
         with self._lock:
             self._counts["reads"] += 1
             self._counts["bytes_read"] += n
+        self._keep_fresh()
         return Outcome.OK
 
     def _read_file(self, fd: int, buffers: list[memoryview]) -> int:
@@ -1421,9 +1529,10 @@ def _owned_index(parent: Path, base: str, owner: str) -> int | None:
 
 
 def _lock_fresh(lock_path: Path) -> bool:
-    """Whether a ``lock`` file was touched (its namespace taken or let go by a store)
-    within :data:`STALE_NAMESPACE_S`: False if it is gone (removed a moment ago by a
-    reclaim), True if it cannot be read (cannot tell: taken as in use)."""
+    """Whether a ``lock`` file was touched (its namespace taken, let go or used by a
+    store: :data:`LOCK_REFRESH_S`) within :data:`STALE_NAMESPACE_S`: False if it is gone
+    (removed a moment ago by a reclaim), True if it cannot be read (cannot tell: taken as
+    in use)."""
     try:
         mtime = os.stat(lock_path, follow_symlinks=False).st_mtime
     except FileNotFoundError:
@@ -1436,8 +1545,51 @@ def _lock_fresh(lock_path: Path) -> bool:
 def _may_be_reclaimed(lock_path: Path) -> bool:
     """Whether a namespace whose ``lock`` is held may be held by a reclaim (which lets it
     go soon): its ``lock`` file not fresh (:func:`_lock_fresh`; a reclaim takes only
-    stale ones and touches nothing, a store taking or letting go of it touches it)."""
+    stale ones and touches nothing, a store taking or letting go of it touches it, and
+    one holding it touches it again as it reads and writes: :data:`LOCK_REFRESH_S`)."""
     return not _lock_fresh(lock_path)
+
+
+def _left_in(namespace: Path) -> list[str]:
+    """What is in ``namespace`` besides its ``lock`` file (a fan directory's entries as
+    ``<fan>/<name>``, or the directory's name if it is empty): the first
+    :data:`_LEFT_NAMED`, sorted."""
+    left: list[str] = []
+    with os.scandir(namespace) as top:
+        entries = sorted((e for e in top if e.name != LOCK_FILE), key=lambda e: e.name)
+    for entry in entries:
+        if entry.is_dir(follow_symlinks=False) and len(entry.name) == FANOUT_HEX_DIGITS:
+            try:
+                inside = sorted(os.listdir(entry.path))
+            except OSError:
+                inside = []
+            left += [f"{entry.name}/{name}" for name in inside] or [entry.name]
+        else:
+            left.append(entry.name)
+        if len(left) >= _LEFT_NAMED:
+            break
+    return left[:_LEFT_NAMED]
+
+
+def _restore_lock(lock_path: Path, mtime: float) -> bool:
+    """Make a ``lock`` file again where a reclaim removed one but not its directory,
+    dated ``mtime`` (the namespace's last use: it stays as stale as it was, and a later
+    scan judges it again); False if one is there already (a store taking the namespace made
+    it meanwhile, and holds it or is about to). True also where it cannot be made (the
+    caller logs the namespace left)."""
+    try:
+        fd = os.open(lock_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    except FileExistsError:
+        return False
+    except OSError:
+        return True
+    try:
+        os.utime(fd, (mtime, mtime))
+    except (OSError, NotImplementedError):
+        pass  # fresh, then: judged again a day later
+    finally:
+        os.close(fd)
+    return True
 
 
 def _release(fd: int, token: object, key: tuple[str, bytes], namespace: Path) -> None:
