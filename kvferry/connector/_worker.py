@@ -58,6 +58,7 @@ from .._errors import ConfigError, TransferError
 from .._logging import get_logger
 from ..actors import ActorRef, ActorSystem, SyncRuntime, start_runtime
 from ..tiers import (
+    LAYOUT_FILE,
     DeleteChunks,
     DiskIOActor,
     DiskIOMsg,
@@ -103,9 +104,6 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-
-LAYOUT_FILE = "layout.json"
-"""Beside a worker's chunk files (in its store's namespace): the host row layout it saw."""
 
 LAYOUT_FORMAT = 1
 

@@ -20,6 +20,7 @@ from ._actor import WriteChunks as WriteChunks
 from ._actor import keys_array as keys_array
 from ._breaker import BreakerStatistics as BreakerStatistics
 from ._breaker import CircuitBreaker as CircuitBreaker
+from ._disk import LAYOUT_FILE as LAYOUT_FILE
 from ._disk import DiskStatistics as DiskStatistics
 from ._disk import DiskStore as DiskStore
 from ._disk import FileOps as FileOps
@@ -46,6 +47,7 @@ __all__ = [
     "ALIGNMENT",
     "FORMAT_VERSION",
     "HEADER_SIZE",
+    "LAYOUT_FILE",
     "MAX_KEY_BYTES",
     "BreakerStatistics",
     "ChunkCorrupt",

@@ -196,11 +196,17 @@ engine killed after a long run (no ``close``, its ``lock`` file touched up to
 :data:`LOCK_REFRESH_S` before its last read or write) is not stale while it wrote within
 the day. Read at each scan (tests change it)."""
 
-_DESCRIPTIONS = frozenset(("fingerprint.json", "layout.json"))
-"""At a namespace's top, the files that describe it: the store's ``fingerprint.json``
-and the connector's ``layout.json`` (``kvferry.connector._worker.LAYOUT_FILE``). A
-reclaim deletes these (and ``.tmp`` files), and no other file there (see
-:meth:`DiskStore._empty`)."""
+FINGERPRINT_FILE = "fingerprint.json"
+"""At a namespace's top: the fingerprint its chunks were written under (a change clears
+them)."""
+
+LAYOUT_FILE = "layout.json"
+"""At a namespace's top, beside the chunk files: the host row layout the connector's
+worker saw (written and read by it; named here, as a reclaim deletes it too)."""
+
+_DESCRIPTIONS = frozenset((FINGERPRINT_FILE, LAYOUT_FILE))
+"""At a namespace's top, the files that describe it. A reclaim deletes these (and
+``.tmp`` files), and no other file there (see :meth:`DiskStore._empty`)."""
 
 _LEFT_NAMED = 8
 """At most this many of the names left in a namespace a reclaim could not remove are
@@ -830,7 +836,7 @@ class DiskStore:
                 ) from exc
 
     def _write_description(self, path_key: str) -> None:
-        target = self.namespace / "fingerprint.json"
+        target = self.namespace / FINGERPRINT_FILE
         if target.exists():
             return
         tmp = self.namespace / f"fingerprint.json.{os.getpid()}{_TEMP_SUFFIX}"
