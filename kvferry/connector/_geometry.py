@@ -96,10 +96,10 @@ def plan_geometry(
     (:func:`largest_stage`). The stages' KV-cache configs differ in their layers, and the
     scheduler holds stage 0's: every rank must count the same host slots (a slot is one
     id on every rank), so there they are sized from what every rank computes alike, the
-    largest stage's layers times the largest page (an upper bound of each stage's row but
-    for layers vLLM places outside its stages' split, such as a draft model's: their
-    bytes then go beyond ``cpu_bytes_to_use`` on that worker, as the check below still
-    holds each worker's own tensors to its own config)."""
+    largest stage's layers (a drafter's counted on the last stage) times the largest page:
+    an upper bound of each stage's row, unless a drafter's pages are larger than the
+    target model's. A worker whose row is larger still says so (``host_row_beyond_share``
+    in its log), as its host memory then goes beyond its share of ``cpu_bytes_to_use``."""
     groups = kv_cache_config.kv_cache_groups
     if not groups:
         raise ConfigError("block_size", "the model has no KV-cache group to offload")
@@ -181,7 +181,22 @@ def stage_ranges(vllm_config: Any) -> list[tuple[int, int]] | None:
     return [get_pp_indices(total, s, stages) for s in range(stages)]
 
 
+def draft_layers(vllm_config: Any) -> int:
+    """The layers of a speculative-decoding drafter that keeps a KV cache of its own
+    (vLLM's ``uses_draft_kv_cache``: EAGLE, MTP, a draft model): vLLM places them on the
+    last pipeline stage, beyond the target model's split. 0 without such a drafter."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None or spec.draft_model_config is None or not spec.uses_draft_kv_cache():
+        return 0
+    return int(spec.draft_model_config.get_total_num_hidden_layers())
+
+
 def largest_stage(vllm_config: Any) -> int | None:
-    """With pipeline parallelism, the layers of the largest stage; None with one stage."""
+    """With pipeline parallelism, the layers of the largest stage, a drafter's counted on
+    the last (:func:`draft_layers`); None with one stage."""
     ranges = stage_ranges(vllm_config)
-    return None if ranges is None else max(end - start for start, end in ranges)
+    if ranges is None:
+        return None
+    sizes = [end - start for start, end in ranges]
+    sizes[-1] += draft_layers(vllm_config)
+    return max(sizes)

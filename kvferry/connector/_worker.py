@@ -311,6 +311,20 @@ class WorkerSide:
                 f"the KV tensors hold {layout.row_bytes} bytes per block, more than the "
                 f"{geo.row_bytes} vLLM's KV-cache config announces"
             )
+        if layout.row_bytes > geo.slot_row_bytes:
+            # Pipeline parallelism only (else a slot's row is this config's): layers vLLM
+            # placed on this stage beyond what every rank can count alike.
+            share = geo.num_slots * geo.blocks_per_chunk * geo.slot_row_bytes
+            self._log.warning(
+                "host_row_beyond_share",
+                row_bytes=layout.row_bytes,
+                slot_row_bytes=geo.slot_row_bytes,
+                host_bytes=geo.num_slots * geo.blocks_per_chunk * layout.row_bytes,
+                share_bytes=share,
+                note="this pipeline stage's KV rows are larger than the largest stage's "
+                "layers times the largest page (a drafter's pages larger than the "
+                "model's?): its host memory goes beyond its share of cpu_bytes_to_use",
+            )
         tiers = self.cfg.tiers
         tier = next((t for t in tiers if isinstance(t, DiskTierConfig)), None)
         redis_tier = next((t for t in tiers if isinstance(t, RedisTierConfig)), None)
