@@ -44,8 +44,10 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -125,25 +127,73 @@ class _Polled:
     redis: list[DiskJobResult]
 
 
+class _ReadGate:
+    """Whether a load whose chunks are read first (disk, Redis) may still start its copy.
+
+    The scheduler may end such a load at its deadline while a read has not returned (a
+    disk that stopped answering): the facade then gives it up (:meth:`give_up`, on the
+    engine thread), and, if its copy had not started, answers vLLM at once (its blocks
+    recomputed) and never copies; the copy, chained after the reads, asks
+    :meth:`start_copy` first (on the actors' loop thread). One lock orders the two."""
+
+    __slots__ = ("_lock", "_copying", "_given_up")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._copying = False
+        self._given_up = False
+
+    def start_copy(self) -> bool:
+        """Whether the copy may start (not given up); if so, it can no longer be."""
+        with self._lock:
+            self._copying = not self._given_up
+            return self._copying
+
+    def give_up(self) -> bool:
+        """Give the load up unless its copy started (or it was given up already): True if
+        given up now (no copy ever)."""
+        with self._lock:
+            if self._copying or self._given_up:
+                return False
+            self._given_up = True
+            return True
+
+
 @attrs.frozen(eq=False)
 class _CopyWhenRead:
     """A disk-read load's next step (``ReadChunks.then``): its copy, once every chunk was
     read and verified; ordered after ``compute``, the engine's mark taken when the load
-    was started. A failed read starts nothing (the facade reports the load failed)."""
+    was started. A failed read starts nothing (the facade reports the load failed). A
+    load given up meanwhile (``gate``) is not copied: ``given_up`` gets its end."""
 
     load: ActorRef[TransferMsg]
     job: CopyJob
     compute: object | None
+    gate: _ReadGate
+    given_up: Callable[[JobResult], object]
 
     async def __call__(self, result: DiskJobResult) -> None:
-        if result.ok:
+        if not result.ok:
+            return
+        if self.gate.start_copy():
             await self.load.tell(SubmitJobs(jobs=(self.job,), compute=self.compute))
+            return
+        self.given_up(
+            JobFailed(
+                job_id=self.job.job_id,
+                direction="load",
+                error="ended by the scheduler at its deadline while its chunks were "
+                "read: not copied",
+                reason="deadline",
+            )
+        )
 
 
 @attrs.frozen(eq=False)
 class _ThenRead:
     """A load's next read (``ReadChunks.then``): its Redis chunks once its disk chunks were
-    all read and verified. A failed read starts nothing."""
+    all read and verified. A failed read starts nothing. (A load given up still reads:
+    its copy, next, is what it must not start; a Redis read ends at its deadline.)"""
 
     ref: ActorRef[RedisIOMsg]
     read: ReadChunks
@@ -274,6 +324,15 @@ class WorkerSide:
         self._planned_failures: list[JobResult] = []
         self._failed_loads: set[int] = set()
         """Loads the scheduler ended at their deadline: reported failed when they end."""
+        self._gates: dict[int, _ReadGate] = {}
+        """Loads whose chunks are read first, until they end: see :class:`_ReadGate`."""
+        self._answered: set[int] = set()
+        """Loads given up (:meth:`_give_up`) and answered to vLLM already, whose reads have
+        not ended: their end is acknowledged, not reported again."""
+        self._answered_now: set[str] = set()
+        """Requests answered by :meth:`_give_up` since the last ``get_finished``."""
+        self._given_up_ended: deque[JobResult] = deque()
+        """Loads given up whose reads ended (appended on the actors' loop thread)."""
         self._acks: dict[int, list[int]] = {}
         self._provider = traces.setup(cfg.traces, role="worker")
         self.trace = traces.WorkerTracer(self._provider, rank=vllm_config.parallel_config.rank)
@@ -501,6 +560,7 @@ class WorkerSide:
         failed = meta.failed_load_job_ids
         if failed:
             self._failed_loads.update(j for j in failed if j in self._load_req)
+            self._give_up(failed)
         if not meta.loads or self._refs is None:
             return
         jobs = []
@@ -530,6 +590,31 @@ class WorkerSide:
         if reads:
             self._start_disk_loads(reads)
 
+    def _give_up(self, failed: list[int]) -> None:
+        """Loads the scheduler ended at their deadline while their chunks are still being
+        read, their copies not started: answered to vLLM now (``finished_recving``, their
+        blocks recomputed), not when a read that may not return ends; never copied. The
+        host slots they read into stay reserved until the reads ended (acknowledged
+        then)."""
+        for job_id in failed:
+            gate = self._gates.get(job_id)
+            if gate is None or not gate.give_up():
+                continue
+            req_id, blocks = self._load_req[job_id]
+            self._answered.add(job_id)
+            self._answered_now.add(req_id)
+            if self.geometry.num_groups > 1:
+                self._failed_recving.add(req_id)
+            else:
+                self._load_errors.update(blocks)
+            self._log.warning(
+                "load_given_up",
+                job_id=job_id,
+                req_id=req_id,
+                note="ended by the scheduler at its deadline while its chunks were read: "
+                "recomputed now, never copied",
+            )
+
     def _start_disk_loads(self, specs: list[JobSpec]) -> None:
         """Read each load's chunks into its host slots (its disk chunks, then its Redis
         chunks), then copy: each step chained in the actor that ends the one before,
@@ -558,7 +643,14 @@ class WorkerSide:
                 n = len(chunks.keys) if chunks is not None else 0
                 self._disk_ended.append((missing[0], _not_run(job_id, "read", n)))
                 continue
-            then: Any = _CopyWhenRead(load=refs.load, job=spec.copy, compute=mark)
+            gate = self._gates[job_id] = _ReadGate()
+            then: Any = _CopyWhenRead(
+                load=refs.load,
+                job=spec.copy,
+                compute=mark,
+                gate=gate,
+                given_up=self._given_up_ended.append,
+            )
             if spec.redis_reads is not None and refs.redis is not None:
                 read = ReadChunks(
                     job_id=job_id,
@@ -650,8 +742,11 @@ class WorkerSide:
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         if self._refs is None:
             return None, None
+        # Before the poll: a load given up ended after its reads' results were queued,
+        # so the poll below (or an earlier one) has them.
+        given_up = [self._given_up_ended.popleft() for _ in range(len(self._given_up_ended))]
         polled: _Polled = self.runtime.call(self._poll, self._refs)  # type: ignore[union-attr]
-        results = polled.copies
+        results = given_up + polled.copies
         ended = [*self._disk_ended, *(("disk", r) for r in polled.disk)]
         ended.extend(("redis", r) for r in polled.redis)
         self._disk_ended = []
@@ -661,7 +756,7 @@ class WorkerSide:
         if self._planned_failures:
             results = self._planned_failures + results
             self._planned_failures = []
-        finished_recving: set[str] = set()
+        finished_recving, self._answered_now = self._answered_now, set()
         now = time.time_ns()
         for res in results:
             traced = self._traceparents.pop(res.job_id, None)
@@ -695,6 +790,10 @@ class WorkerSide:
             self._stats[f"{key}_seconds"] = self._stats.get(f"{key}_seconds", 0.0) + res.seconds
             if res.direction == "load":
                 req_id, blocks = self._load_req.pop(res.job_id)
+                self._gates.pop(res.job_id, None)
+                if res.job_id in self._answered:
+                    self._answered.discard(res.job_id)  # vLLM had its answer (_give_up)
+                    continue
                 finished_recving.add(req_id)
                 if not ok:
                     if self.geometry.num_groups > 1:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ class Engine(Halves):
         path: Path,
         runtime: str,
         host_slots: int = 8,
+        clock: Callable[[], float] = time.monotonic,
         **disk: Any,
     ):
         extra = {
@@ -48,7 +50,7 @@ class Engine(Halves):
                 }
             ],
         }
-        super().__init__(make_vllm_config, kv_cache_config, extra)
+        super().__init__(make_vllm_config, kv_cache_config, extra, clock=clock)
 
 
 @pytest.fixture
@@ -339,3 +341,46 @@ def test_a_reset_leaves_the_files_of_a_load_in_flight_until_it_ended(
     assert [e.block(x) for x in (9, 10, 11)] == [e.block(x) for x in (1, 2, 3)]
     e.step()  # the files of the chunks it read are deleted now
     assert disk_files(e) == 0 and e.worker.disk.used_bytes == 0
+
+
+@pytest.mark.parametrize("runtime", ["stepped", "thread"])
+def test_a_load_whose_read_does_not_return_is_recomputed_at_its_deadline(
+    make_engine: Callable[..., Engine], runtime: str
+) -> None:
+    """A disk that stops answering holds a load's read: the scheduler ends the load at its
+    deadline, and vLLM, which waits for the worker's finished_recving, had the request
+    held as long as the read (forever, on a hung mount). Now the worker answers at once,
+    its blocks recomputed, and never copies it; the host slots it read into stay reserved
+    until the read returned."""
+    now = [0.0]
+    e = make_engine(runtime, clock=lambda: now[0])
+    a, b = request("a", 3 * BLOCK + 8), request("b", 3 * BLOCK + 8)  # the same prompt
+    store_and_write_down(e, a, [1, 2, 3, 4])
+    for n in LAYERS:
+        e.kv[n][:, [9, 10, 11]] = 0
+    zeros = [e.block(x) for x in (9, 10, 11)]
+    assert e.worker.disk is not None
+    reads = HeldReads()
+    e.worker.disk._ops = reads
+    try:
+        e.sched.on_new_request(b)
+        assert e.sched.get_num_new_matched_tokens(b, 0) == (3 * BLOCK, True)
+        e.sched.update_state_after_alloc(b, allocated([9, 10, 11, 12]), 3 * BLOCK)
+        e.step()  # the load's reads start, and are held
+        assert "b" not in e.recving
+        now[0] += e.sched.cfg.job_timeout_s + 1
+        e.step()  # the scheduler ends it; the worker answers vLLM in the same step
+        assert "b" in e.recving
+        assert e.load_errors == {9, 10, 11}  # recomputed by vLLM
+        assert e.sched._expired  # its host slots wait for the read's end
+    finally:
+        reads.released.set()
+    e.recving.clear()
+    e.run_until(lambda: not e.sched._expired)  # the read returned, and was acknowledged
+    e.step()
+    assert "b" not in e.recving  # answered once
+    assert [e.block(x) for x in (9, 10, 11)] == zeros  # never copied
+    stats = e.sched.statistics()
+    assert (stats.loads_failed, stats.loads_failed_deadline) == (1, 1)
+    host = e.sched._ask(GetStatistics)
+    assert host.storing == 0 and host.pinned == 0  # its reserved slots were let go

@@ -290,9 +290,12 @@ def test_on_the_loop_thread_the_copy_starts_when_the_read_ends_without_an_engine
     assert seen.acks == {2: [1, 0]} and seen.disk_failed == {2: [0]}
 
 
-def test_a_disk_load_the_scheduler_failed_meanwhile_is_reported_failed_when_it_ends(
+def test_a_disk_load_the_scheduler_failed_meanwhile_is_answered_at_once_and_acked_when_it_ends(
     make_worker: Callable[..., Worker],
 ) -> None:
+    """Its read still running, its copy not started: vLLM has its answer at once (the
+    blocks recomputed), not when the read ends; the job's acknowledgement, which lets the
+    scheduler free the host slot it reads into, waits for the read's end; no copy."""
     from kvferry.connector._metadata import KVFerryMetadata
 
     ops = GatedReads(key(0))
@@ -301,11 +304,15 @@ def test_a_disk_load_the_scheduler_failed_meanwhile_is_reported_failed_when_it_e
     side = w.side
     side.start_load_kv(load_meta(2, "r", [9], w.rows(5), [key(0)], [5]))
     side.start_load_kv(KVFerryMetadata(failed_load_job_ids=[2]))  # its deadline passed
-    assert side.get_finished() == (None, None)  # still reading: nothing reported yet
+    assert side.get_finished() == (None, {"r"})  # still reading: answered all the same
+    assert side.get_block_ids_with_load_errors() == {9}
+    meta = side.build_worker_meta()
+    assert meta is None or 2 not in meta.acks  # the read has not ended
     ops.gate.set()
-    seen = drive(side, lambda s: "r" in s.recving)
+    seen = drive(side, acked(2))
     assert seen.acks == {2: [1, 1]} and seen.disk_failed == {2: [0]}
-    assert seen.load_errors == {9}
+    assert seen.recving == set() and seen.load_errors == set()  # answered once
+    assert seen.stats.get("load_bytes", 0.0) == 0.0  # never copied
 
 
 # -- failures -----------------------------------------------------------------------------
