@@ -70,9 +70,10 @@ lint: $(STAMP)
 
 # Two workers, each taking a whole test module at a time (--dist loadfile): a module's
 # vLLM engine still starts once, and two modules' engines start side by side (the suite
-# took 30 minutes on one worker on the 2-core machine, 20 on two).
+# took 30 minutes on one worker on the 2-core machine, 20 on two). The slowest tests are
+# listed at the end, to see where the time goes.
 test-main: $(STAMP)
-	$(VPY) -m pytest -q -n 2 --dist loadfile
+	$(VPY) -m pytest -q -n 2 --dist loadfile --durations=15
 
 test-floor: $(FLOOR_STAMP)
 	$(FPY) -m pytest -q -p no:cacheprovider $(FLOOR_TESTS)
