@@ -816,7 +816,19 @@ class SchedulerSide:
                 del self._reqs[req_id]
         for req_id in output.finished_recving or ():
             st = self._reqs.get(req_id)
-            if st is not None and st.finished and st.load_job is None:
+            if st is None:
+                continue
+            if st.load_job is not None:
+                expired = self._expired.get(st.load_job)
+                if expired is None:
+                    continue  # (acknowledged above, in the same output, when it ended)
+                # Ended at its deadline, and given up by every worker while its chunks
+                # were still read (WorkerSide._give_up): vLLM recomputes the blocks now,
+                # while the acknowledgement, which frees the host slots those reads
+                # write into, waits for them to end (_ack_expired).
+                st.load_job = None
+                self._store_again(st, expired)
+            if st.finished:
                 del self._reqs[req_id]
 
     def request_finished(
@@ -1083,8 +1095,8 @@ class SchedulerSide:
         del self._expired[job.job_id]
         self._writes.reads_ended(job)
         st = self._reqs.get(job.req_id)
-        self._store_again(st, job)
-        if st is not None and st.load_job == job.job_id:
+        if st is not None and st.load_job == job.job_id:  # (else vLLM had it given up)
+            self._store_again(st, job)
             st.load_job = None
 
     def _count_failed_load(self, job: JobState, *, expired: bool = False) -> None:

@@ -602,6 +602,7 @@ class WorkerSide:
                 continue
             req_id, blocks = self._load_req[job_id]
             self._answered.add(job_id)
+            self._traceparents.pop(job_id, None)  # no copy: none to record
             self._answered_now.add(req_id)
             if self.geometry.num_groups > 1:
                 self._failed_recving.add(req_id)
