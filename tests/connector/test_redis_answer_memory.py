@@ -19,13 +19,12 @@ import attrs
 import numpy as np
 import pytest
 
-from kvferry._config import RedisTierConfig
 from kvferry.connector import _redis_tier
-from kvferry.connector._redis_tier import ANSWER_TTL_S, RedisTier, make_store
+from kvferry.connector._redis_tier import ANSWER_TTL_S, RedisTier
 
-from ..tiers.conftest import FP
 from ..tiers.conftest import key as chunk_key
 from ..tiers.redis_servers import RedisServer, redis_available
+from ._redis_tiers import redis_name, tiers
 
 pytestmark = pytest.mark.skipif(not redis_available(), reason="needs redis-server (make test)")
 
@@ -72,26 +71,11 @@ def checks(monkeypatch: pytest.MonkeyPatch) -> Checks:
 
 @pytest.fixture
 def make_tier(redis_server: RedisServer, checks: Checks) -> Iterator[Callable[..., RedisTier]]:
-    redis_server.cli("flushall")
-    made: list[RedisTier] = []
-
-    def make(clock: Callable[[], float]) -> RedisTier:
-        made.append(
-            RedisTier(
-                RedisTierConfig(index=0, url=redis_server.url), [FP], events=False, clock=clock
-            )
-        )
-        return made[-1]
-
-    yield make
-    checks.gate.set()  # a check held back ends, or the checker's runtime never stops
-    for tier in made:
-        tier.close()
-
-
-def redis_name(redis_server: RedisServer, k: bytes) -> str:
-    """The Redis key under which the tier's checker looks chunk ``k`` up."""
-    return make_store(RedisTierConfig(index=0, url=redis_server.url), FP).redis_key(k).decode()
+    with tiers(redis_server) as make:
+        try:
+            yield make
+        finally:
+            checks.gate.set()  # a check held back ends, or the checker's runtime never stops
 
 
 def check(tier: RedisTier, checks: Checks, keys: list[bytes]) -> None:

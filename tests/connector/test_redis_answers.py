@@ -14,14 +14,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvferry._config import RedisTierConfig
 from kvferry.connector import _redis_tier
-from kvferry.connector._redis_tier import ANSWER_TTL_S, RedisTier, make_store
+from kvferry.connector._redis_tier import ANSWER_TTL_S, RedisTier
 
-from ..tiers.conftest import FP
 from ..tiers.conftest import key as chunk_key
 from ..tiers.redis_servers import RedisServer, redis_available
 from ._halves import SLOT_BYTES, Halves
+from ._redis_tiers import redis_name, tiers
 from ._steps import BLOCK, key, request
 
 pytestmark = pytest.mark.skipif(not redis_available(), reason="needs redis-server (make test)")
@@ -46,25 +45,8 @@ def answered(monkeypatch: pytest.MonkeyPatch) -> threading.Semaphore:
 
 @pytest.fixture
 def make_tier(redis_server: RedisServer) -> Iterator[Callable[..., RedisTier]]:
-    redis_server.cli("flushall")
-    made: list[RedisTier] = []
-
-    def make(clock: Callable[[], float]) -> RedisTier:
-        made.append(
-            RedisTier(
-                RedisTierConfig(index=0, url=redis_server.url), [FP], events=False, clock=clock
-            )
-        )
-        return made[-1]
-
-    yield make
-    for tier in made:
-        tier.close()
-
-
-def redis_name(redis_server: RedisServer, k: bytes) -> str:
-    """The Redis key under which the tier's checker looks chunk ``k`` up."""
-    return make_store(RedisTierConfig(index=0, url=redis_server.url), FP).redis_key(k).decode()
+    with tiers(redis_server) as make:
+        yield make
 
 
 def test_an_answer_from_before_a_read_failed_does_not_make_the_chunk_a_hit_again(
