@@ -60,7 +60,6 @@ from .._errors import ConfigError, TransferError
 from .._logging import get_logger
 from ..actors import ActorRef, ActorSystem, SyncRuntime, start_runtime
 from ..tiers import (
-    LAYOUT_FILE,
     DeleteChunks,
     DiskIOActor,
     DiskIOMsg,
@@ -78,6 +77,7 @@ from ..tiers import (
     WriteChunks,
     keys_array,
 )
+from ..tiers._disk import LAYOUT_FILE
 from ..transfer import (
     CopyJob,
     Flushed,

@@ -20,7 +20,6 @@ from ._actor import WriteChunks as WriteChunks
 from ._actor import keys_array as keys_array
 from ._breaker import BreakerStatistics as BreakerStatistics
 from ._breaker import CircuitBreaker as CircuitBreaker
-from ._disk import LAYOUT_FILE as LAYOUT_FILE
 from ._disk import DiskStatistics as DiskStatistics
 from ._disk import DiskStore as DiskStore
 from ._disk import FileOps as FileOps
@@ -47,7 +46,6 @@ __all__ = [
     "ALIGNMENT",
     "FORMAT_VERSION",
     "HEADER_SIZE",
-    "LAYOUT_FILE",
     "MAX_KEY_BYTES",
     "BreakerStatistics",
     "ChunkCorrupt",

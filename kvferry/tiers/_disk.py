@@ -202,7 +202,8 @@ them)."""
 
 LAYOUT_FILE = "layout.json"
 """At a namespace's top, beside the chunk files: the host row layout the connector's
-worker saw (written and read by it; named here, as a reclaim deletes it too)."""
+worker saw (written and read by it, which imports this name; named here, as a reclaim
+deletes it too)."""
 
 _DESCRIPTIONS = frozenset((FINGERPRINT_FILE, LAYOUT_FILE))
 """At a namespace's top, the files that describe it. A reclaim deletes these (and
